@@ -1,0 +1,100 @@
+#include "kernels/cpu/router.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace k3::cpu {
+namespace {
+
+// a ranks before b: higher score, then lower id.
+inline bool Before(float sa, int32_t a, float sb, int32_t b) { return sa > sb || (sa == sb && a < b); }
+
+}  // namespace
+
+void RouteTopK(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w) {
+  const int64_t E = p.num_experts, k = p.top_k, G = p.num_groups, per_group = E / G;
+  std::vector<float> s(E), sb(E), group_score(G);
+  std::vector<char> group_kept(G);
+  std::vector<int32_t> gorder(G);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = 1.0f / (1.0f + std::exp(-logits[n * E + e]));
+      sb[e] = s[e] + (bias ? bias[e] : 0.0f);
+    }
+    std::fill(group_kept.begin(), group_kept.end(), 1);
+    if (G > 1 && p.topk_groups < G) {
+      for (int64_t g = 0; g < G; ++g) {
+        float b1 = -std::numeric_limits<float>::infinity(), b2 = b1;
+        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+          if (sb[e] > b1) {
+            b2 = b1;
+            b1 = sb[e];
+          } else if (sb[e] > b2) {
+            b2 = sb[e];
+          }
+        }
+        group_score[g] = b1 + b2;
+      }
+      std::iota(gorder.begin(), gorder.end(), 0);
+      std::partial_sort(gorder.begin(), gorder.begin() + p.topk_groups, gorder.end(),
+                        [&](int32_t a, int32_t b) { return Before(group_score[a], a, group_score[b], b); });
+      std::fill(group_kept.begin(), group_kept.end(), 0);
+      for (int64_t i = 0; i < p.topk_groups; ++i) group_kept[gorder[i]] = 1;
+    }
+    // Insertion into a sorted top-k list: k is small (≤ 16 in every Kimi config).
+    int32_t* ix = idx + n * k;
+    int64_t filled = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (!group_kept[e / per_group]) continue;
+      if (filled == k && !Before(sb[e], static_cast<int32_t>(e), sb[ix[k - 1]], ix[k - 1])) continue;
+      int64_t pos = filled < k ? filled++ : k - 1;
+      while (pos > 0 && Before(sb[e], static_cast<int32_t>(e), sb[ix[pos - 1]], ix[pos - 1])) {
+        ix[pos] = ix[pos - 1];
+        --pos;
+      }
+      ix[pos] = static_cast<int32_t>(e);
+    }
+    float* wn = w + n * k;
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += (wn[j] = s[ix[j]]);
+    const float norm = p.renormalize ? 1.0f / (sum + 1e-20f) : 1.0f;
+    for (int64_t j = 0; j < k; ++j) wn[j] = wn[j] * norm * p.scale;
+  }
+}
+
+void RouteTopKRef(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w) {
+  const int64_t E = p.num_experts, k = p.top_k, G = p.num_groups, per_group = E / G;
+  for (int64_t n = 0; n < N; ++n) {
+    std::vector<double> s(E), sb(E);
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[n * E + e])));
+      sb[e] = static_cast<float>(static_cast<float>(s[e]) + (bias ? bias[e] : 0.0f));
+    }
+    std::vector<double> gscore(G);
+    for (int64_t g = 0; g < G; ++g) {
+      std::vector<double> v(sb.begin() + g * per_group, sb.begin() + (g + 1) * per_group);
+      std::sort(v.rbegin(), v.rend());
+      gscore[g] = v[0] + (v.size() > 1 ? v[1] : 0.0);
+    }
+    std::vector<int64_t> gorder(G);
+    std::iota(gorder.begin(), gorder.end(), 0);
+    std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t a, int64_t b) { return gscore[a] > gscore[b]; });
+    std::vector<char> kept(G, 0);
+    for (int64_t i = 0; i < std::min(p.topk_groups, G); ++i) kept[gorder[i]] = 1;
+    std::vector<int64_t> cand;
+    for (int64_t e = 0; e < E; ++e)
+      if (kept[e / per_group]) cand.push_back(e);
+    std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return sb[a] > sb[b]; });
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += s[cand[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      idx[n * k + j] = static_cast<int32_t>(cand[j]);
+      w[n * k + j] = static_cast<float>(s[cand[j]] * (p.renormalize ? 1.0 / (sum + 1e-20) : 1.0) * p.scale);
+    }
+  }
+}
+
+}  // namespace k3::cpu

@@ -1,0 +1,25 @@
+// Sigmoid router with score-correction bias and group-limited top-k (DESIGN §1.4), fp32.
+#pragma once
+
+#include <cstdint>
+
+namespace k3::cpu {
+
+struct RouterParams {
+  int64_t num_experts = 0;   // E
+  int64_t top_k = 0;         // k
+  int64_t num_groups = 1;    // num_expert_group
+  int64_t topk_groups = 1;   // topk_group
+  bool renormalize = false;  // moe_renormalize
+  float scale = 1.0f;        // routed_scaling_factor
+};
+
+// logits [N, E] = m · W_gateᵀ; bias [E] (e_score_correction_bias) or null.
+// s = sigmoid(logits), s' = s + bias; groups keep the topk_groups best by the sum of their top-2 s';
+// idx = top-k(s') among kept experts (ties: lower expert id first); w = s[idx], renormalized
+// (w /= Σw + 1e-20) if asked, times scale. idx, w [N, k], in descending s' order.
+void RouteTopK(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w);
+// Reference: full sorts, double arithmetic.
+void RouteTopKRef(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w);
+
+}  // namespace k3::cpu
