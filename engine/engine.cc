@@ -1,0 +1,180 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+
+namespace k3 {
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kAborted: return "aborted";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+Engine::Engine(const Model& model, ExpertExecutor& experts, EngineOptions options)
+    : model_(model), experts_(experts), options_(options) {
+  max_context_ = options_.max_context > 0 ? options_.max_context : model.config().max_position;
+  if (max_context_ <= 0) max_context_ = 1 << 20;
+}
+
+absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const SamplingParams& p) const {
+  const int64_t V = model_.config().vocab_size;
+  if (prompt.empty()) return absl::InvalidArgumentError("prompt_ids must not be empty");
+  for (size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] < 0 || prompt[i] >= V)
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt_ids[", i, "] = ", prompt[i], " is outside the vocabulary [0, ", V, ")"));
+  K3_RETURN_IF_ERROR(ValidateSampling(p, V));
+  if (p.max_new_tokens > options_.max_new_tokens_limit)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens = ", p.max_new_tokens, " exceeds the limit ", options_.max_new_tokens_limit));
+  if (static_cast<int64_t>(prompt.size()) >= max_context_)
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_ids has ", prompt.size(), " tokens; the context limit is ", max_context_));
+  if (static_cast<int64_t>(prompt.size()) + p.max_new_tokens > max_context_)
+    return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt.size(), ") + max_tokens (", p.max_new_tokens,
+                                                   ") exceeds the context limit ", max_context_));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params) {
+  K3_RETURN_IF_ERROR(Validate(prompt, params));
+  if (sequences_.count(id)) return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " is already live"));
+  const EngineStats st = Stats();
+  if (st.waiting >= options_.max_waiting)
+    return absl::ResourceExhaustedError(absl::StrCat("queue full: ", st.waiting, " sequences waiting"));
+  const int64_t prompt_len = static_cast<int64_t>(prompt.size());
+  sequences_.emplace(id, std::make_unique<Sequence>(Sequence{id, std::move(prompt), prompt_len, 0, params,
+                                                             Sampler(params), nullptr}));
+  order_.push_back(id);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Abort(uint64_t id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " is not live"));
+  sequences_.erase(it);
+  order_.erase(std::find(order_.begin(), order_.end(), id));
+  return absl::OkStatus();
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats s;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq->state) {
+      ++s.running;
+      s.state_bytes += seq->state->bytes();
+    } else {
+      ++s.waiting;
+    }
+  }
+  return s;
+}
+
+bool Engine::IsStop(const Sequence& s, int32_t token) const {
+  const auto& stop = s.params.stop_token_ids;
+  if (std::find(stop.begin(), stop.end(), token) != stop.end()) return true;
+  if (s.params.ignore_eos) return false;
+  const auto& eos = model_.config().eos_token_ids;
+  return std::find(eos.begin(), eos.end(), token) != eos.end();
+}
+
+std::vector<StepOutput> Engine::Step() {
+  std::vector<StepOutput> out;
+  const ModelConfig& c = model_.config();
+  // Build the batch in admission order: decode tokens cost 1, prefill chunks take what is left of
+  // the token budget. A sequence starts running (gets state) when it first enters a batch.
+  int64_t budget = options_.max_batch_tokens, running = 0;
+  std::vector<Sequence*> batch;
+  std::vector<SeqChunk> chunks;
+  for (uint64_t id : order_) {
+    if (budget <= 0) break;
+    Sequence& s = *sequences_.at(id);
+    if (!s.state) {
+      if (running >= options_.max_running) break;
+      s.state = std::make_unique<SequenceState>(c);
+    }
+    ++running;
+    const int64_t pending = static_cast<int64_t>(s.tokens.size()) - s.consumed;
+    const int64_t n = std::min(pending, budget);
+    budget -= n;
+    const bool last = s.consumed + n == static_cast<int64_t>(s.tokens.size());
+    batch.push_back(&s);
+    chunks.push_back({s.state.get(), std::span<const int32_t>(s.tokens).subspan(s.consumed, n),
+                      last ? LogitsMode::kLast : LogitsMode::kNone});
+  }
+  if (batch.empty()) return out;
+
+  // Forward: one pass, or two micro-batches whose expert dispatches overlap.
+  std::vector<float> logits;
+  absl::Status status;
+  if (options_.ping_pong && chunks.size() >= 2) {
+    const size_t half = chunks.size() / 2;
+    ForwardPass a(model_, std::span<const SeqChunk>(chunks).first(half));
+    ForwardPass b(model_, std::span<const SeqChunk>(chunks).subspan(half));
+    ForwardPass* passes[] = {&a, &b};
+    status = RunPasses(passes, experts_);
+    logits = std::move(a.logits());
+    logits.insert(logits.end(), b.logits().begin(), b.logits().end());
+  } else {
+    status = model_.Forward(chunks, experts_, &logits);
+  }
+
+  const int64_t V = c.vocab_size;
+  int64_t row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& s = *batch[i];
+    StepOutput o;
+    o.id = s.id;
+    o.prompt_tokens = s.prompt_len;
+    if (!status.ok()) {
+      // The state may have advanced through some layers only: the sequence cannot continue.
+      o.finish = FinishReason::kError;
+      o.error = status;
+    } else {
+      s.consumed += static_cast<int64_t>(chunks[i].tokens.size());
+      if (chunks[i].logits == LogitsMode::kLast) {
+        const int32_t tok = s.sampler.Sample(logits.data() + (row++) * V, V);
+        s.tokens.push_back(tok);
+        o.tokens.push_back(tok);
+        const int64_t generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+        if (IsStop(s, tok)) {
+          o.finish = FinishReason::kStop;
+        } else if (generated >= s.params.max_new_tokens || static_cast<int64_t>(s.tokens.size()) >= max_context_) {
+          o.finish = FinishReason::kLength;
+        }
+      }
+    }
+    o.generated_tokens = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+    if (o.finish != FinishReason::kNone) {
+      order_.erase(std::find(order_.begin(), order_.end(), s.id));
+      sequences_.erase(s.id);  // frees the state
+    }
+    if (!o.tokens.empty() || o.finish != FinishReason::kNone) out.push_back(std::move(o));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> GenerateGreedy(const Model& model, const std::vector<int32_t>& prompt,
+                                                    int max_new) {
+  LocalExpertExecutor experts(model.config(), model.weights());
+  Engine engine(model, experts, EngineOptions{});
+  SamplingParams p;
+  p.max_new_tokens = max_new;
+  p.ignore_eos = true;
+  K3_RETURN_IF_ERROR(engine.Add(1, prompt, p));
+  std::vector<int32_t> ids;
+  while (engine.HasWork()) {
+    for (const StepOutput& o : engine.Step()) {
+      if (o.finish == FinishReason::kError) return o.error;
+      ids.insert(ids.end(), o.tokens.begin(), o.tokens.end());
+    }
+  }
+  return ids;
+}
+
+}  // namespace k3

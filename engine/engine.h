@@ -1,0 +1,88 @@
+// The serving engine: many sequences, continuous batching, sampling (Triton-style core behind a
+// narrow API; the gRPC front end and the CLI are thin layers over it).
+//
+// Each Step() runs one ragged batch that mixes decode tokens of running sequences and prefill
+// chunks of new ones (chunked prefill under a token budget), samples, and reports new tokens.
+// Not thread-safe: one thread owns the engine and calls Add/Abort/Step.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "engine/model.h"
+#include "engine/sampler.h"
+
+namespace k3 {
+
+struct EngineOptions {
+  int64_t max_batch_tokens = 2048;  // tokens per step (decode tokens + prefill chunks)
+  int64_t max_running = 64;         // sequences holding state at once
+  int64_t max_waiting = 1024;       // queued sequences beyond which Add says RESOURCE_EXHAUSTED
+  int64_t max_context = 0;          // prompt + generated tokens; 0: the model's model_max_length
+  int64_t max_new_tokens_limit = 1 << 16;
+  bool ping_pong = false;           // split each step into two micro-batches that overlap dispatch
+};
+
+enum class FinishReason { kNone, kLength, kStop, kAborted, kError };
+const char* FinishReasonName(FinishReason r);
+
+struct StepOutput {
+  uint64_t id = 0;
+  std::vector<int32_t> tokens;   // new tokens this step (0 or 1)
+  FinishReason finish = FinishReason::kNone;
+  absl::Status error;            // set when finish == kError
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;  // so far
+};
+
+struct EngineStats {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t state_bytes = 0;
+};
+
+class Engine {
+ public:
+  Engine(const Model& model, ExpertExecutor& experts, EngineOptions options = {});
+
+  // Queues a sequence. INVALID_ARGUMENT names the bad field; RESOURCE_EXHAUSTED when the queue is
+  // full; ALREADY_EXISTS for a live id.
+  absl::Status Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& params);
+  // Drops a sequence and frees its state. NOT_FOUND if it is not live.
+  absl::Status Abort(uint64_t id);
+  // One iteration. Sequences hit by a failing forward finish with kError; the engine stays usable.
+  std::vector<StepOutput> Step();
+
+  bool HasWork() const { return !sequences_.empty(); }
+  EngineStats Stats() const;
+  int64_t max_context() const { return max_context_; }
+  const Model& model() const { return model_; }
+
+ private:
+  struct Sequence {
+    uint64_t id;
+    std::vector<int32_t> tokens;  // prompt then generated
+    int64_t prompt_len;
+    int64_t consumed = 0;         // tokens fed through the model
+    SamplingParams params;
+    Sampler sampler;
+    std::unique_ptr<SequenceState> state;  // allocated when the sequence starts running
+  };
+  absl::Status Validate(const std::vector<int32_t>& prompt, const SamplingParams& p) const;
+  bool IsStop(const Sequence& s, int32_t token) const;
+
+  const Model& model_;
+  ExpertExecutor& experts_;
+  EngineOptions options_;
+  int64_t max_context_;
+  std::map<uint64_t, std::unique_ptr<Sequence>> sequences_;
+  std::deque<uint64_t> order_;  // admission order: running first, then waiting
+};
+
+// One prompt, greedy, through the engine (conformance, demos).
+absl::StatusOr<std::vector<int32_t>> GenerateGreedy(const Model& model, const std::vector<int32_t>& prompt, int max_new);
+
+}  // namespace k3

@@ -1,0 +1,103 @@
+// Model weights as fp32 views: into the mmap for fp32 checkpoints, into owned buffers for bf16.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "engine/config.h"
+#include "kernels/cpu/experts.h"
+
+namespace k3 {
+
+// A row-major matrix [rows, cols] in PyTorch Linear layout (out × in). Empty when absent.
+struct Mat {
+  const float* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  explicit operator bool() const { return data != nullptr; }
+};
+
+struct KdaWeights {
+  Mat q, k, v;                          // [H·dk, d]
+  const float *q_conv = nullptr, *k_conv = nullptr, *v_conv = nullptr;  // [H·dk, K]
+  const float* A_log = nullptr;         // [H]
+  const float* dt_bias = nullptr;       // [H·dk]
+  Mat f_a, f_b;                         // forget gate: [dk, d], [H·dk, dk]
+  Mat g_a, g_b;                         // low-rank output gate: [dv, d], [H·dv, dv]
+  Mat g;                                // full-rank output gate (K3): [H·dv, d]
+  Mat b;                                // beta: [H, d]
+  const float* o_norm = nullptr;        // [dv]
+  Mat o;                                // [d, H·dv]
+};
+
+struct MlaWeights {
+  Mat q;                                // [nh·(dn+dr), d] when q_lora_rank == 0
+  Mat q_a, q_b;                         // [q_lora, d], [nh·(dn+dr), q_lora]
+  const float* q_a_norm = nullptr;      // [q_lora]
+  Mat kv_a;                             // [r+dr, d]
+  const float* kv_a_norm = nullptr;     // [r]
+  Mat kv_b;                             // [nh·(dn+dv), r]
+  Mat o;                                // [d, nh·dv]
+  Mat g;                                // output gate (K3): [nh·dv, d]
+};
+
+struct GluWeights {
+  Mat gate, up, down;                   // [I, d], [I, d], [d, I]
+};
+
+struct MoeWeights {
+  Mat router;                           // [E, d]
+  const float* bias = nullptr;          // [E] e_score_correction_bias
+  GluWeights shared;                    // intermediate = moe_intermediate · num_shared; absent if 0
+  Mat latent_down;                      // [ℓ, d]   (Stable LatentMoE)
+  const float* latent_norm = nullptr;   // [ℓ]
+  Mat latent_up;                        // [d, ℓ]
+  std::vector<cpu::ExpertWeights> experts;  // E entries; w1 null where not loaded
+};
+
+struct AttnResWeights {
+  const float* proj = nullptr;          // pseudo-query w [d]
+  const float* norm = nullptr;          // n [d]
+};
+
+struct LayerWeights {
+  const float* input_norm = nullptr;
+  const float* post_norm = nullptr;
+  AttnResWeights attn_res, mlp_res;     // Block AttnRes reads (K3)
+  KdaWeights kda;
+  MlaWeights mla;
+  GluWeights dense;
+  MoeWeights moe;
+};
+
+// What a process loads: the attention side loads everything but the routed experts, an expert
+// node only its (layer, expert) slots. Every tensor's name and shape is still checked.
+struct WeightFilter {
+  bool non_expert = true;
+  std::function<bool(int64_t layer, int64_t expert)> expert = [](int64_t, int64_t) { return true; };
+
+  static WeightFilter All() { return {}; }
+  static WeightFilter AttentionOnly();
+  static WeightFilter ExpertsOnly(std::function<bool(int64_t, int64_t)> slots);
+};
+
+struct ModelWeights {
+  Mat embed;                            // [V, d]
+  Mat lm_head;                          // [V, d]
+  const float* final_norm = nullptr;
+  AttnResWeights out_res;
+  std::vector<LayerWeights> layers;
+
+  // Keeps the mapping alive (fp32 views point into it) and the converted bf16 tensors.
+  std::shared_ptr<const Checkpoint> checkpoint;
+  std::vector<std::unique_ptr<float[]>> owned;
+};
+
+// Loads and checks every tensor the config implies: a missing, extra or mis-shaped tensor is an
+// error naming the file and the tensor.
+absl::StatusOr<std::unique_ptr<ModelWeights>> LoadWeights(const ModelConfig& config,
+                                                          std::shared_ptr<const Checkpoint> checkpoint,
+                                                          const WeightFilter& filter = WeightFilter::All());
+
+}  // namespace k3
