@@ -1,0 +1,63 @@
+#include "kernels/cpu/router.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/testing.h"
+
+namespace k3::cpu {
+namespace {
+
+using testing::Random;
+
+TEST(RouteTopK, MatchesReference) {
+  const RouterParams cases[] = {
+      {16, 4, 1, 1, true, 2.446f},   // Kimi-Linear tiny
+      {256, 8, 1, 1, true, 2.446f},  // Kimi-Linear 48B
+      {64, 6, 8, 3, true, 1.0f},     // group-limited
+      {64, 6, 8, 3, false, 2.5f},    // no renormalization
+      {896, 16, 1, 1, true, 1.0f},   // K3
+      {12, 12, 4, 4, true, 1.0f},    // k == E
+      {10, 1, 5, 2, false, 1.0f},    // odd group size 2
+  };
+  for (const auto& p : cases) {
+    const int64_t N = 37;
+    auto logits = Random(N * p.num_experts, 1, 2.0f), bias = Random(p.num_experts, 2, 0.1f);
+    std::vector<int32_t> idx(N * p.top_k), ridx(N * p.top_k);
+    std::vector<float> w(N * p.top_k), rw(N * p.top_k);
+    RouteTopK(N, logits.data(), bias.data(), p, idx.data(), w.data());
+    RouteTopKRef(N, logits.data(), bias.data(), p, ridx.data(), rw.data());
+    EXPECT_EQ(idx, ridx) << "E=" << p.num_experts << " k=" << p.top_k << " G=" << p.num_groups;
+    for (size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(w[i], rw[i], 1e-6 * p.scale);
+  }
+}
+
+TEST(RouteTopK, BiasSelectsButDoesNotWeigh) {
+  // Four experts, logits equal: the bias alone decides; the weights stay the unbiased sigmoid.
+  RouterParams p{4, 2, 1, 1, false, 1.0f};
+  std::vector<float> logits = {0.0f, 0.0f, 0.0f, 0.0f}, bias = {0.0f, 0.5f, 0.0f, 0.3f};
+  std::vector<int32_t> idx(2);
+  std::vector<float> w(2);
+  RouteTopK(1, logits.data(), bias.data(), p, idx.data(), w.data());
+  EXPECT_EQ(idx, (std::vector<int32_t>{1, 3}));
+  EXPECT_FLOAT_EQ(w[0], 0.5f);
+  EXPECT_FLOAT_EQ(w[1], 0.5f);
+}
+
+TEST(RouteTopK, GroupLimitKeepsBestGroups) {
+  // Two groups of 3; group 1 has the best top-2 sum although group 0 has the single best expert.
+  RouterParams p{6, 2, 2, 1, true, 1.0f};
+  std::vector<float> logits = {5.0f, -5.0f, -5.0f, 2.0f, 2.0f, 2.0f};
+  std::vector<int32_t> idx(2);
+  std::vector<float> w(2);
+  RouteTopK(1, logits.data(), nullptr, p, idx.data(), w.data());
+  EXPECT_EQ(idx, (std::vector<int32_t>{3, 4}));
+  EXPECT_NEAR(w[0] + w[1], 1.0f, 1e-6);
+}
+
+TEST(RouteTopK, EmptyBatch) {
+  RouterParams p{8, 2, 1, 1, true, 1.0f};
+  RouteTopK(0, nullptr, nullptr, p, nullptr, nullptr);
+}
+
+}  // namespace
+}  // namespace k3::cpu
