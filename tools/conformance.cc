@@ -9,6 +9,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "common/flags.h"
 #include "absl/flags/usage.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -110,6 +111,7 @@ absl::StatusOr<bool> Run(const std::string& model_dir, const std::string& golden
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("k3serve-conformance --model DIR --golden DIR");
+  k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   const std::string model = absl::GetFlag(FLAGS_model), golden = absl::GetFlag(FLAGS_golden);
   if (model.empty() || golden.empty()) {
