@@ -19,6 +19,13 @@ namespace {
 constexpr float kLoraNormEps = 1e-6f;
 // Up to this many new tokens the absorbed MLA form is cheaper than expanding the cache.
 constexpr int64_t kMlaAbsorbedMaxTokens = 8;
+// From this many tokens the chunked KDA form beats the recurrence.
+constexpr int64_t kKdaChunkedMinTokens = 16;
+
+void KdaChunked(int64_t T, int64_t H, int64_t dk, int64_t dv, const float* q, const float* k, const float* v,
+                const float* g, const float* beta, float* S, float* o) {
+  cpu::KdaChunked(T, H, dk, dv, q, k, v, g, beta, S, o);
+}
 
 inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
@@ -163,12 +170,13 @@ void ForwardPass::Kda(int64_t l, const float* a, float* y) {
   Linear(N, w.b, a, beta.data());
   for (float& b : beta) b = Sigmoid(b);
 
-  // The recurrence per sequence; o reuses q's buffer.
+  // Per sequence: the chunked form for prefill chunks, the recurrence for decode. o reuses q's buffer.
   float* o = q.data();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     KdaState& s = chunks_[i].state->kda[l];
     const int64_t t0 = offset_[i], T = offset_[i + 1] - offset_[i];
-    cpu::KdaRecurrent(T, H, dk, dk, qc.data() + t0 * HD, kc.data() + t0 * HD, vc.data() + t0 * HD,
+    auto kda = T >= kKdaChunkedMinTokens ? KdaChunked : cpu::KdaRecurrent;
+    kda(T, H, dk, dk, qc.data() + t0 * HD, kc.data() + t0 * HD, vc.data() + t0 * HD,
                       g.data() + t0 * HD, beta.data() + t0 * H, s.S.data(), o + t0 * HD);
   }
 

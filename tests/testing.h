@@ -38,10 +38,7 @@ inline double RelDiff(const std::vector<float>& a, const std::vector<float>& ref
   return m == 0 ? d : d / m;
 }
 
-// The source tree (set by ctest) for test data.
-inline std::string SourceDir() {
-  const char* s = std::getenv("K3SERVE_SOURCE_DIR");
-  return s ? s : ".";
-}
+// The source tree, for test data (compiled in by k3_test).
+inline std::string SourceDir() { return K3SERVE_SOURCE_DIR; }
 
 }  // namespace k3::testing

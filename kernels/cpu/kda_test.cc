@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -89,12 +90,13 @@ struct Case {
   Gate gate;
 };
 
-std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
+std::string Name(const Case& c) {
   const char* gate = c.gate == Gate::kSoftplus ? "softplus" : c.gate == Gate::kBounded ? "bounded" : "strong";
   return "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_dk" + std::to_string(c.dk) + "_dv" +
          std::to_string(c.dv) + "_C" + std::to_string(c.C) + (c.initial_state ? "_S0_" : "_zero_") + gate;
 }
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return Name(info.param); }
+void PrintTo(const Case& c, std::ostream* os) { *os << Name(c); }
 
 std::vector<Case> Cases() {
   std::vector<Case> cases;
@@ -110,6 +112,7 @@ std::vector<Case> Cases() {
     for (int64_t C : {64, 16}) cases.push_back({T, 3, 24, 40, C, true, Gate::kBounded});
   for (int64_t T : {65, 200})
     for (int64_t C : {64, 16}) cases.push_back({T, 3, 24, 40, C, true, Gate::kStrong});
+  for (int64_t C : {1, 7, 100}) cases.push_back({200, 3, 24, 40, C, true, Gate::kSoftplus});  // odd chunk sizes
   return cases;
 }
 
@@ -160,7 +163,7 @@ TEST(KdaChunked, DetectsWrongInput) {
   bad_beta.beta[100 * H + 1] = 1.0f - bad_beta.beta[100 * H + 1];
   EXPECT_GT(RelErr(RunChunked(bad_beta, 64).o, ref.o), 1e-3);
   Inputs bad_g = in;
-  bad_g.g[(100 * H + 1) * dk + 5] -= 1.0f;
+  bad_g.g[(199 * H + 1) * dk + 5] -= 1.0f;
   EXPECT_GT(RelErr(RunChunked(bad_g, 64).S, ref.S), 1e-3);
 }
 
