@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -207,5 +209,20 @@ class Registry {
   uint64_t next_collector_id_ = 1;
   std::map<uint64_t, std::function<void()>> collectors_;
 };
+
+}  // namespace k3::metrics
+
+namespace k3::metrics {
+
+// For families registered once at startup with fixed, valid names: a failure is a programming
+// error, reported and fatal.
+template <typename T>
+T* Must(absl::StatusOr<T*> family) {
+  if (!family.ok()) {
+    std::fprintf(stderr, "metrics: %s\n", std::string(family.status().message()).c_str());
+    std::abort();
+  }
+  return *family;
+}
 
 }  // namespace k3::metrics

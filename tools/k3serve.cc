@@ -1,6 +1,10 @@
 // k3serve: the user's command line.
-//   k3serve local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N [--temperature T --top-k K --top-p P --seed S]
-// runs the in-process engine (no services) and streams tokens with timing.
+//   k3serve up --model DIR [--attention M --experts N --port 50051]   a local cluster until Ctrl-C
+//   k3serve generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N [sampling flags]
+//   k3serve bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2]
+//   k3serve local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N   the in-process engine
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -8,13 +12,18 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "common/flags.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/flags.h"
+#include "common/signals.h"
 #include "engine/engine.h"
+#include "tools/bench_cluster.h"
+#include "tools/client.h"
+#include "tools/local_cluster.h"
 
 ABSL_FLAG(std::string, model, "", "model directory");
+ABSL_FLAG(std::string, addr, "127.0.0.1:50051", "attention node gRPC address (generate)");
 ABSL_FLAG(std::string, prompt_ids, "", "comma-separated prompt token ids");
 ABSL_FLAG(int, max_tokens, 16, "tokens to generate");
 ABSL_FLAG(double, temperature, 0.0, "sampling temperature (0: greedy)");
@@ -22,9 +31,20 @@ ABSL_FLAG(int, top_k, 0, "top-k cut (0: off)");
 ABSL_FLAG(double, top_p, 1.0, "nucleus cut (1: off)");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1: random)");
 ABSL_FLAG(bool, ignore_eos, false, "keep generating after an end-of-sequence token");
+ABSL_FLAG(double, timeout, 60.0, "request deadline in seconds (generate)");
+ABSL_FLAG(int, attention, 1, "attention nodes (up, bench)");
+ABSL_FLAG(int, experts, 2, "expert nodes (up, bench)");
+ABSL_FLAG(int, port, 50051, "first attention node's gRPC port (up; 0: pick)");
+ABSL_FLAG(int, streams, 16, "concurrent streams (bench)");
+ABSL_FLAG(int, prompt_len, 64, "prompt tokens per stream (bench)");
 
 namespace k3 {
 namespace {
+
+int Error(const absl::Status& s) {
+  std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+  return absl::IsInvalidArgument(s) ? 2 : 1;
+}
 
 absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& s) {
   std::vector<int32_t> ids;
@@ -36,20 +56,7 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& s) {
   return ids;
 }
 
-int LocalGenerate() {
-  auto ids = ParseIds(absl::GetFlag(FLAGS_prompt_ids));
-  if (!ids.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(ids.status().message()).c_str());
-    return 2;
-  }
-  auto t_load = std::chrono::steady_clock::now();
-  auto model = Model::Load(absl::GetFlag(FLAGS_model));
-  if (!model.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(model.status().message()).c_str());
-    return 2;
-  }
-  LocalExpertExecutor experts((*model)->config(), (*model)->weights());
-  Engine engine(**model, experts);
+SamplingParams SamplingFromFlags() {
   SamplingParams p;
   p.max_new_tokens = absl::GetFlag(FLAGS_max_tokens);
   p.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
@@ -58,36 +65,110 @@ int LocalGenerate() {
   p.has_seed = absl::GetFlag(FLAGS_seed) >= 0;
   p.seed = static_cast<uint64_t>(absl::GetFlag(FLAGS_seed));
   p.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
-  if (auto s = engine.Add(1, *ids, p); !s.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
-    return 2;
+  return p;
+}
+
+std::string BinDir() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  std::string exe(buf, n > 0 ? n : 0);
+  return exe.substr(0, exe.rfind('/'));
+}
+
+int Up() {
+  InstallShutdownSignals();
+  ClusterOptions o;
+  o.bin_dir = BinDir();
+  o.model = absl::GetFlag(FLAGS_model);
+  o.attention = absl::GetFlag(FLAGS_attention);
+  o.experts = absl::GetFlag(FLAGS_experts);
+  o.attention_port = absl::GetFlag(FLAGS_port);
+  if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
+  std::fprintf(stderr, "starting router, %d expert node(s), %d attention node(s)...\n", o.experts, o.attention);
+  auto cluster = LocalCluster::Start(o);
+  if (!cluster.ok()) return Error(cluster.status());
+  std::printf("router   %s (metrics :%d)\n", (*cluster)->router_address().c_str(), (*cluster)->router_metrics_port());
+  for (size_t i = 0; i < (*cluster)->attention_addresses().size(); ++i)
+    std::printf("serving  %s (metrics :%d)\n", (*cluster)->attention_addresses()[i].c_str(),
+                (*cluster)->attention_metrics_ports()[i]);
+  std::printf("logs     %s\nCtrl-C stops the cluster.\n", (*cluster)->work_dir().c_str());
+  std::fflush(stdout);
+  while (!WaitForShutdown(absl::Seconds(1))) {
   }
-  auto t0 = std::chrono::steady_clock::now();
-  std::printf("loaded %s in %.0f ms\ntokens:", absl::GetFlag(FLAGS_model).c_str(),
-              std::chrono::duration<double, std::milli>(t0 - t_load).count());
-  std::chrono::steady_clock::time_point t_first;
+  std::fprintf(stderr, "stopping...\n");
+  cluster->reset();
+  std::fprintf(stderr, "stopped\n");
+  return 0;
+}
+
+int Generate() {
+  auto ids = ParseIds(absl::GetFlag(FLAGS_prompt_ids));
+  if (!ids.ok()) return Error(ids.status());
+  InferenceClient client(absl::GetFlag(FLAGS_addr));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point first;
+  int n = 0;
+  std::printf("tokens:");
+  auto result = client.Generate(*ids, SamplingFromFlags(), absl::Seconds(absl::GetFlag(FLAGS_timeout)),
+                                [&](const std::vector<int32_t>& chunk) {
+                                  for (int32_t t : chunk) {
+                                    if (n++ == 0) first = std::chrono::steady_clock::now();
+                                    std::printf(" %d", t);
+                                  }
+                                  std::fflush(stdout);
+                                });
+  std::printf("\n");
+  if (!result.ok()) return Error(result.status());
+  const auto t1 = std::chrono::steady_clock::now();
+  std::printf("finish: %s; prompt %d, completion %d tokens; time to first token %.2f ms; %.1f tokens/s\n",
+              result->finish_reason.c_str(), result->prompt_tokens, result->completion_tokens,
+              std::chrono::duration<double, std::milli>(first - t0).count(),
+              n > 1 ? (n - 1) / std::chrono::duration<double>(t1 - first).count() : 0.0);
+  return 0;
+}
+
+int LocalGenerate() {
+  auto ids = ParseIds(absl::GetFlag(FLAGS_prompt_ids));
+  if (!ids.ok()) return Error(ids.status());
+  auto model = Model::Load(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) return Error(model.status());
+  LocalExpertExecutor experts((*model)->config(), (*model)->weights());
+  Engine engine(**model, experts);
+  if (auto s = engine.Add(1, *ids, SamplingFromFlags()); !s.ok()) return Error(s);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point first;
   int n = 0;
   FinishReason finish = FinishReason::kNone;
-  while (engine.HasWork()) {
+  std::printf("tokens:");
+  while (engine.HasWork())
     for (const StepOutput& o : engine.Step()) {
       for (int32_t t : o.tokens) {
-        if (n++ == 0) t_first = std::chrono::steady_clock::now();
+        if (n++ == 0) first = std::chrono::steady_clock::now();
         std::printf(" %d", t);
-        std::fflush(stdout);
       }
-      if (o.finish == FinishReason::kError) {
-        std::fprintf(stderr, "\nerror: %s\n", std::string(o.error.message()).c_str());
-        return 1;
-      }
+      std::fflush(stdout);
+      if (o.finish == FinishReason::kError) return Error(o.error);
       if (o.finish != FinishReason::kNone) finish = o.finish;
     }
-  }
-  auto t1 = std::chrono::steady_clock::now();
-  const double ttft = std::chrono::duration<double, std::milli>(t_first - t0).count();
-  const double decode_s = std::chrono::duration<double>(t1 - t_first).count();
-  std::printf("\nfinish: %s; %d tokens; time to first token %.2f ms; decode %.1f tokens/s\n", FinishReasonName(finish), n,
-              ttft, n > 1 ? (n - 1) / decode_s : 0.0);
+  const auto t1 = std::chrono::steady_clock::now();
+  std::printf("\nfinish: %s; %d tokens; time to first token %.2f ms; %.1f tokens/s\n", FinishReasonName(finish), n,
+              std::chrono::duration<double, std::milli>(first - t0).count(),
+              n > 1 ? (n - 1) / std::chrono::duration<double>(t1 - first).count() : 0.0);
   return 0;
+}
+
+int Bench() {
+  BenchOptions o;
+  o.bin_dir = BinDir();
+  o.model = absl::GetFlag(FLAGS_model);
+  o.streams = absl::GetFlag(FLAGS_streams);
+  o.prompt_len = absl::GetFlag(FLAGS_prompt_len);
+  o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  o.attention = absl::GetFlag(FLAGS_attention);
+  o.experts = absl::GetFlag(FLAGS_experts);
+  if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
+  const absl::Status s = RunClusterBench(o);
+  return s.ok() ? 0 : Error(s);
 }
 
 }  // namespace
@@ -96,15 +177,18 @@ int LocalGenerate() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "k3serve <command> [flags]\n"
-      "  local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N   generate with the in-process engine");
+      "  up --model DIR [--attention M --experts N --port 50051]     start a local cluster; Ctrl-C stops it\n"
+      "  generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N  stream tokens from a server\n"
+      "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2]\n"
+      "  local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N  the in-process engine, no services\n"
+      "sampling flags: --temperature T --top-k K --top-p P --seed S --ignore-eos");
   k3::NormalizeFlagNames(argc, argv);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() < 2) {
-    std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
-    return 2;
-  }
-  const std::string cmd = args[1];
+  const std::string cmd = args.size() >= 2 ? args[1] : "";
+  if (cmd == "up") return k3::Up();
+  if (cmd == "generate") return k3::Generate();
+  if (cmd == "bench") return k3::Bench();
   if (cmd == "local-generate") return k3::LocalGenerate();
-  std::fprintf(stderr, "unknown command \"%s\"\n%s\n", cmd.c_str(), absl::ProgramUsageMessage().data());
+  std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
   return 2;
 }

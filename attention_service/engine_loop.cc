@@ -1,0 +1,106 @@
+#include "attention_service/engine_loop.h"
+
+namespace k3 {
+
+std::vector<StepOutput> TokenStream::Next(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return !outputs_.empty(); });
+  std::vector<StepOutput> out(std::make_move_iterator(outputs_.begin()), std::make_move_iterator(outputs_.end()));
+  outputs_.clear();
+  return out;
+}
+
+void TokenStream::Push(StepOutput o) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outputs_.push_back(std::move(o));
+  }
+  cv_.notify_all();
+}
+
+EngineLoop::EngineLoop(const Model& model, ExpertExecutor& experts, EngineOptions options, OnStep on_step)
+    : engine_(model, experts, options), on_step_(std::move(on_step)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+EngineLoop::~EngineLoop() { Stop(); }
+
+absl::StatusOr<std::shared_ptr<TokenStream>> EngineLoop::Add(uint64_t id, std::vector<int32_t> prompt,
+                                                             const SamplingParams& p) {
+  std::future<absl::Status> done;
+  auto stream = std::make_shared<TokenStream>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("server is shutting down");
+    AddCmd cmd{id, std::move(prompt), p, {}};
+    done = cmd.done.get_future();
+    commands_.push_back(std::move(cmd));
+    streams_pending_.emplace(id, stream);
+  }
+  cv_.notify_all();
+  absl::Status s = done.get();
+  if (!s.ok()) return s;
+  return stream;
+}
+
+void EngineLoop::Abort(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    commands_.push_back(AbortCmd{id});
+  }
+  cv_.notify_all();
+}
+
+void EngineLoop::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void EngineLoop::Run() {
+  while (true) {
+    std::deque<std::variant<AddCmd, AbortCmd>> cmds;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !commands_.empty() || engine_.HasWork() || stopping_; });
+      if (stopping_ && commands_.empty() && !engine_.HasWork()) return;
+      cmds.swap(commands_);
+      for (auto& c : cmds)
+        if (auto* add = std::get_if<AddCmd>(&c)) {
+          streams_[add->id] = streams_pending_[add->id];
+          streams_pending_.erase(add->id);
+        }
+    }
+    for (auto& c : cmds) {
+      if (auto* add = std::get_if<AddCmd>(&c)) {
+        const absl::Status s = engine_.Add(add->id, std::move(add->prompt), add->params);
+        if (!s.ok()) streams_.erase(add->id);
+        add->done.set_value(s);
+      } else {
+        const uint64_t id = std::get<AbortCmd>(c).id;
+        if (engine_.Abort(id).ok()) {
+          StepOutput o;
+          o.id = id;
+          o.finish = FinishReason::kAborted;
+          if (auto it = streams_.find(id); it != streams_.end()) it->second->Push(std::move(o));
+        }
+        streams_.erase(id);
+      }
+    }
+    if (engine_.HasWork()) {
+      for (StepOutput& o : engine_.Step()) {
+        auto it = streams_.find(o.id);
+        if (it == streams_.end()) continue;
+        const bool finished = o.finish != FinishReason::kNone;
+        it->second->Push(std::move(o));
+        if (finished) streams_.erase(it);
+      }
+    }
+    if (on_step_) on_step_(engine_.Stats());
+  }
+}
+
+}  // namespace k3

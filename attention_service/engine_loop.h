@@ -1,0 +1,71 @@
+// The engine's own thread: the gRPC handlers (any thread) add and abort requests and read their
+// streams of tokens; one thread owns the Engine and steps it while there is work.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <variant>
+
+#include "engine/engine.h"
+
+namespace k3 {
+
+// The tokens of one request as the engine produces them.
+class TokenStream {
+ public:
+  // Waits up to `timeout` for outputs; returns what arrived (empty on timeout).
+  std::vector<StepOutput> Next(std::chrono::milliseconds timeout);
+  void Push(StepOutput o);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<StepOutput> outputs_;
+};
+
+class EngineLoop {
+ public:
+  // Called on the engine thread after every step (metrics).
+  using OnStep = std::function<void(const EngineStats&)>;
+
+  EngineLoop(const Model& model, ExpertExecutor& experts, EngineOptions options, OnStep on_step);
+  ~EngineLoop();
+
+  // Queues a request; the validation result (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) comes
+  // back before any token.
+  absl::StatusOr<std::shared_ptr<TokenStream>> Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p);
+  // Frees the request's state (no-op if it already finished).
+  void Abort(uint64_t id);
+  // Finishes the requests in flight, then stops (no new ones are admitted meanwhile).
+  void Stop();
+
+ private:
+  struct AddCmd {
+    uint64_t id;
+    std::vector<int32_t> prompt;
+    SamplingParams params;
+    std::promise<absl::Status> done;
+  };
+  struct AbortCmd {
+    uint64_t id;
+  };
+  void Run();
+
+  Engine engine_;
+  OnStep on_step_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::variant<AddCmd, AbortCmd>> commands_;
+  bool stopping_ = false;
+  std::map<uint64_t, std::shared_ptr<TokenStream>> streams_pending_;  // under mu_, until the engine takes them
+  std::map<uint64_t, std::shared_ptr<TokenStream>> streams_;          // engine thread only
+  std::thread thread_;
+};
+
+}  // namespace k3

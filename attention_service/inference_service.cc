@@ -1,0 +1,153 @@
+#include "attention_service/inference_service.h"
+
+#include "absl/time/clock.h"
+#include "common/grpc_server.h"
+
+namespace k3 {
+namespace {
+
+v1::FinishReason ToProto(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
+    default: return v1::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID_ARGUMENT, msg}; }
+
+}  // namespace
+
+InferenceService::InferenceService(const Model& model, EngineLoop& loop, InferenceOptions options,
+                                   metrics::Registry& reg)
+    : model_(model), loop_(loop), options_(std::move(options)) {
+  const auto latency = metrics::ExponentialBuckets(1e-4, 2, 18);  // 0.1 ms .. 13 s
+  m_requests_ = metrics::Must(reg.AddCounter("k3serve_requests_total", "Generate requests by final gRPC status.", {"code"}));
+  m_ttft_ = &metrics::Must(reg.AddHistogram("k3serve_time_to_first_token_seconds", "From request arrival to its first token.", latency))->WithLabels();
+  m_itl_ = &metrics::Must(reg.AddHistogram("k3serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", latency))->WithLabels();
+  m_e2e_ = &metrics::Must(reg.AddHistogram("k3serve_request_duration_seconds", "From request arrival to its end.", latency))->WithLabels();
+  m_prompt_tokens_ = &metrics::Must(reg.AddCounter("k3serve_prompt_tokens_total", "Prompt tokens of admitted requests."))->WithLabels();
+  m_generated_tokens_ = &metrics::Must(reg.AddCounter("k3serve_generation_tokens_total", "Generated tokens."))->WithLabels();
+}
+
+grpc::Status InferenceService::Finish(const grpc::Status& s) {
+  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                                 "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+                                 "UNAUTHENTICATED"};
+  const int code = static_cast<int>(s.error_code());
+  m_requests_->WithLabels({code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN"}).Inc();
+  return s;
+}
+
+grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const absl::Time arrival = absl::Now();
+  if (!req->model().empty() && req->model() != options_.model_name)
+    return Finish(Invalid(absl::StrCat("model: unknown model \"", req->model(), "\"; this server serves \"",
+                                       options_.model_name, "\"")));
+  if (req->max_tokens() <= 0) return Finish(Invalid(absl::StrCat("max_tokens must be > 0, got ", req->max_tokens())));
+  if (req->max_tokens() > options_.max_tokens_limit)
+    return Finish(Invalid(absl::StrCat("max_tokens = ", req->max_tokens(), " exceeds the limit ", options_.max_tokens_limit)));
+  SamplingParams p;
+  const auto& s = req->sampling();
+  p.max_new_tokens = req->max_tokens();
+  p.temperature = s.temperature();
+  p.top_k = s.top_k();
+  p.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
+  p.has_seed = s.has_seed();
+  p.seed = s.seed().value();
+  p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  p.ignore_eos = s.ignore_eos();
+  if (!options_.ready()) return Finish({grpc::StatusCode::UNAVAILABLE, "experts are not placed yet (no complete placement)"});
+
+  const uint64_t id = next_id_++;
+  if (!req->request_id().empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!by_request_id_.emplace(req->request_id(), id).second)
+      return Finish({grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("request_id \"", req->request_id(), "\" is already live")});
+  }
+  auto release_name = [&] {
+    if (req->request_id().empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    by_request_id_.erase(req->request_id());
+  };
+  auto stream = loop_.Add(id, {req->prompt_ids().begin(), req->prompt_ids().end()}, p);
+  if (!stream.ok()) {
+    release_name();
+    return Finish(ToGrpc(stream.status()));
+  }
+  m_prompt_tokens_->Inc(req->prompt_ids_size());
+
+  absl::Time last = arrival;
+  int generated = 0;
+  while (true) {
+    if (ctx->IsCancelled()) {  // client cancel or deadline: free the sequence
+      loop_.Abort(id);
+      release_name();
+      return Finish({grpc::StatusCode::CANCELLED, "cancelled by the client"});
+    }
+    for (StepOutput& o : (*stream)->Next(std::chrono::milliseconds(50))) {
+      v1::GenerateResponse resp;
+      const absl::Time now = absl::Now();
+      for (int32_t t : o.tokens) {
+        resp.add_token_ids(t);
+        (generated++ == 0 ? m_ttft_ : m_itl_)->Observe(absl::ToDoubleSeconds(now - last));
+        last = now;
+      }
+      m_generated_tokens_->Inc(static_cast<double>(o.tokens.size()));
+      if (o.finish == FinishReason::kError) {
+        release_name();
+        m_e2e_->Observe(absl::ToDoubleSeconds(now - arrival));
+        return Finish(ToGrpc(o.error));
+      }
+      if (o.finish == FinishReason::kAborted) {
+        release_name();
+        return Finish({grpc::StatusCode::CANCELLED, "aborted"});
+      }
+      if (o.finish != FinishReason::kNone) {
+        resp.set_finish_reason(ToProto(o.finish));
+        resp.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
+        resp.mutable_usage()->set_completion_tokens(static_cast<int32_t>(o.generated_tokens));
+      }
+      if (!writer->Write(resp)) {  // the client went away
+        loop_.Abort(id);
+        release_name();
+        return Finish({grpc::StatusCode::CANCELLED, "stream closed by the client"});
+      }
+      if (o.finish != FinishReason::kNone) {
+        release_name();
+        m_e2e_->Observe(absl::ToDoubleSeconds(now - arrival));
+        return Finish(grpc::Status::OK);
+      }
+    }
+  }
+}
+
+grpc::Status InferenceService::Abort(grpc::ServerContext*, const v1::AbortRequest* req, v1::AbortResponse* resp) {
+  if (req->request_id().empty()) return Invalid("request_id must not be empty");
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_request_id_.find(req->request_id());
+    if (it != by_request_id_.end()) id = it->second;
+  }
+  resp->set_found(id != 0);
+  if (id != 0) loop_.Abort(id);
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*, v1::ModelInfo* resp) {
+  const ModelConfig& c = model_.config();
+  resp->set_name(options_.model_name);
+  resp->set_vocab_size(c.vocab_size);
+  resp->set_max_context(options_.max_context);
+  resp->set_max_tokens_limit(options_.max_tokens_limit);
+  resp->set_num_layers(c.num_layers);
+  resp->set_num_experts(c.num_experts);
+  resp->set_experts_per_token(c.top_k);
+  for (int64_t e : c.eos_token_ids) resp->add_eos_token_ids(static_cast<int32_t>(e));
+  return grpc::Status::OK;
+}
+
+}  // namespace k3

@@ -1,0 +1,55 @@
+// The public gRPC API (k3serve.v1.Inference), a thin layer over the engine loop.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "attention_service/engine_loop.h"
+#include "common/metrics.h"
+#include "k3serve/v1/inference.grpc.pb.h"
+
+namespace k3 {
+namespace v1 = ::k3serve::v1;
+}  // namespace k3
+
+namespace k3 {
+
+struct InferenceOptions {
+  std::string model_name;
+  int32_t max_tokens_limit = 4096;
+  int64_t max_context = 0;
+  // Whether the experts can serve now (a complete placement, connected); else UNAVAILABLE.
+  std::function<bool()> ready = [] { return true; };
+};
+
+class InferenceService final : public v1::Inference::Service {
+ public:
+  InferenceService(const Model& model, EngineLoop& loop, InferenceOptions options, metrics::Registry& registry);
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
+  grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
+
+ private:
+  grpc::Status Finish(const grpc::Status& s);
+
+  const Model& model_;
+  EngineLoop& loop_;
+  const InferenceOptions options_;
+  std::atomic<uint64_t> next_id_{1};
+  std::mutex mu_;
+  std::map<std::string, uint64_t> by_request_id_;  // live requests that named themselves
+
+  metrics::Family<metrics::Counter>* m_requests_;
+  metrics::Histogram* m_ttft_;
+  metrics::Histogram* m_itl_;
+  metrics::Histogram* m_e2e_;
+  metrics::Counter* m_prompt_tokens_;
+  metrics::Counter* m_generated_tokens_;
+};
+
+}  // namespace k3

@@ -1,0 +1,224 @@
+// k3serve-attention: an attention node — the public gRPC API, continuous batching, everything but
+// the routed experts, which it reaches through the router library (DESIGN §3).
+//   k3serve-attention --model DIR --router HOST:PORT [--grpc-port 50051 --metrics-port 9151]
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "attention_service/engine_loop.h"
+#include "attention_service/inference_service.h"
+#include "common/flags.h"
+#include "common/grpc_server.h"
+#include "common/http_server.h"
+#include "common/signals.h"
+#include "router/dispatcher.h"
+#include "router/load_counter.h"
+#include "router/router_client.h"
+#include "router/ucx_transport.h"
+
+ABSL_FLAG(std::string, model, "", "model directory");
+ABSL_FLAG(std::string, model_name, "", "served model name (default: the model directory's name)");
+ABSL_FLAG(std::string, router, "127.0.0.1:50050", "router gRPC address");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(std::string, advertise_host, "127.0.0.1", "address other nodes use to reach this one");
+ABSL_FLAG(int, grpc_port, 50051, "public gRPC port (0: pick one)");
+ABSL_FLAG(int, metrics_port, 9151, "Prometheus /metrics port (0: pick one, -1: off)");
+ABSL_FLAG(std::string, node_id, "", "unique node id (default: attention-<host>-<pid>)");
+ABSL_FLAG(int64_t, max_batch_tokens, 2048, "tokens per engine step (decode tokens + prefill chunks)");
+ABSL_FLAG(int64_t, max_running, 64, "sequences holding state at once");
+ABSL_FLAG(int64_t, max_waiting, 256, "queued requests beyond which Generate answers RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_context, 0, "prompt + generated tokens per request (0: the model's model_max_length)");
+ABSL_FLAG(int32_t, max_tokens_limit, 4096, "largest max_tokens a request may ask for");
+ABSL_FLAG(bool, ping_pong, true, "split each step into two micro-batches that overlap expert dispatch");
+ABSL_FLAG(int, dispatch_timeout_ms, 10000, "an MoE dispatch that takes longer fails with DEADLINE_EXCEEDED");
+ABSL_FLAG(std::string, device, "cpu", "compute device: cpu");
+ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once listening");
+
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "k3serve-attention: %s: %s\n", what.c_str(), std::string(s.message()).c_str());
+  return 2;
+}
+
+// Control-plane calls that must not run on the data plane's thread: failure reports, and a load
+// report every interval.
+class Reporter {
+ public:
+  Reporter(k3::router::RouterClient& client, k3::router::LoadCountingExecutor& load, std::string node_id)
+      : client_(client), load_(load), node_id_(std::move(node_id)), thread_([this] { Run(); }) {}
+  ~Reporter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void NodeFailed(const std::string& node, const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failures_.emplace_back(node, why);
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::seconds(2), [&] { return stop_ || !failures_.empty(); });
+      auto failures = std::move(failures_);
+      failures_.clear();
+      lock.unlock();
+      for (auto& [node, why] : failures) client_.ReportNodeFailure(node, why);
+      auto report = load_.TakeReport(node_id_);
+      if (report.layers_size() > 0) client_.ReportLoad(report);
+      lock.lock();
+    }
+  }
+  k3::router::RouterClient& client_;
+  k3::router::LoadCountingExecutor& load_;
+  const std::string node_id_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::deque<std::pair<std::string, std::string>> failures_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  k3::NormalizeFlagNames(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  k3::InstallShutdownSignals();
+  if (absl::GetFlag(FLAGS_device) != "cpu")
+    return Fail("--device", absl::InvalidArgumentError("only \"cpu\" is available in this build"));
+  std::string node_id = absl::GetFlag(FLAGS_node_id);
+  if (node_id.empty()) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    node_id = absl::StrCat("attention-", host, "-", getpid());
+  }
+  const std::string model_dir = absl::GetFlag(FLAGS_model);
+  std::string model_name = absl::GetFlag(FLAGS_model_name);
+  if (model_name.empty()) {
+    std::string d = model_dir;
+    while (!d.empty() && d.back() == '/') d.pop_back();
+    model_name = d.substr(d.rfind('/') + 1);
+  }
+
+  k3::metrics::Registry registry;
+  // Health (and the port) come up first so that orchestration sees NOT_SERVING while loading.
+  auto load_start = absl::Now();
+  auto model = k3::Model::Load(model_dir, k3::WeightFilter::AttentionOnly());
+  if (!model.ok()) return Fail("model", model.status());
+  const k3::ModelConfig& config = (*model)->config();
+  std::fprintf(stderr, "k3serve-attention %s: loaded %s in %.0f ms\n", node_id.c_str(), model_dir.c_str(),
+               absl::ToDoubleMilliseconds(absl::Now() - load_start));
+
+  auto transport = k3::dataplane::NewUcxTransport();
+  if (!transport.ok()) return Fail("UCX", transport.status());
+
+  auto* dispatch_seconds = k3::metrics::Must(registry.AddHistogram(
+      "k3serve_dispatch_seconds", "Round trip of one MoE dispatch part to an expert node.",
+      k3::metrics::ExponentialBuckets(1e-5, 2, 20), {"node"}));
+  auto* dispatch_bytes = k3::metrics::Must(
+      registry.AddCounter("k3serve_dispatch_bytes_total", "Data-plane bytes per expert node.", {"node", "direction"}));
+  auto* node_failures = k3::metrics::Must(
+      registry.AddCounter("k3serve_expert_node_unreachable_total", "Expert nodes this attention node lost.", {"node"}));
+  Reporter* reporter = nullptr;
+  k3::router::DispatcherOptions dopt;
+  dopt.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_dispatch_timeout_ms));
+  dopt.on_part = [&](const std::string& node, size_t out, size_t in, absl::Duration took) {
+    dispatch_seconds->WithLabels({node}).Observe(absl::ToDoubleSeconds(took));
+    dispatch_bytes->WithLabels({node, "out"}).Inc(static_cast<double>(out));
+    dispatch_bytes->WithLabels({node, "in"}).Inc(static_cast<double>(in));
+  };
+  dopt.on_node_failure = [&](const std::string& node, const absl::Status& why) {
+    std::fprintf(stderr, "k3serve-attention: expert node %s failed: %s\n", node.c_str(), std::string(why.message()).c_str());
+    node_failures->WithLabels({node}).Inc();
+    if (reporter) reporter->NodeFailed(node, std::string(why.message()));
+  };
+  k3::router::Dispatcher dispatcher(config, **transport, dopt);
+  k3::router::LoadCountingExecutor counted(dispatcher, config);
+
+  auto* placement_version = &k3::metrics::Must(registry.AddGauge("k3serve_placement_version", "Expert placement in use."))->WithLabels();
+  k3::v1::RegisterNodeRequest self;
+  self.set_role(k3::v1::NODE_ROLE_ATTENTION);
+  self.set_node_id(node_id);
+  k3::router::RouterClient router(absl::GetFlag(FLAGS_router), self, [&](const k3::v1::Placement& p) {
+    auto table = k3::router::PlacementTable::FromProto(p, config);
+    if (!table.ok()) {
+      std::fprintf(stderr, "k3serve-attention: bad placement: %s\n", std::string(table.status().message()).c_str());
+      return;
+    }
+    const absl::Status s = dispatcher.SetPlacement(std::make_shared<const k3::router::PlacementTable>(std::move(*table)));
+    if (!s.ok()) std::fprintf(stderr, "k3serve-attention: placement v%lu: %s\n", static_cast<unsigned long>(p.version()), std::string(s.message()).c_str());
+    placement_version->Set(static_cast<double>(p.version()));
+  });
+  Reporter rep(router, counted, node_id);
+  reporter = &rep;
+
+  k3::EngineOptions eopt;
+  eopt.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  eopt.max_running = absl::GetFlag(FLAGS_max_running);
+  eopt.max_waiting = absl::GetFlag(FLAGS_max_waiting);
+  eopt.max_context = absl::GetFlag(FLAGS_max_context);
+  eopt.max_new_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  eopt.ping_pong = absl::GetFlag(FLAGS_ping_pong);
+  auto* running = &k3::metrics::Must(registry.AddGauge("k3serve_running_requests", "Sequences holding state in the engine."))->WithLabels();
+  auto* waiting = &k3::metrics::Must(registry.AddGauge("k3serve_waiting_requests", "Sequences queued for the engine."))->WithLabels();
+  auto* state_bytes = &k3::metrics::Must(registry.AddGauge("k3serve_sequence_state_bytes", "Bytes of per-sequence state held."))->WithLabels();
+  k3::EngineLoop loop(**model, counted, eopt, [&](const k3::EngineStats& s) {
+    running->Set(static_cast<double>(s.running));
+    waiting->Set(static_cast<double>(s.waiting));
+    state_bytes->Set(static_cast<double>(s.state_bytes));
+  });
+  k3::InferenceOptions iopt;
+  iopt.model_name = model_name;
+  iopt.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  iopt.max_context = k3::Engine(**model, counted, eopt).max_context();
+  iopt.ready = [&] { return dispatcher.ready(); };
+  k3::InferenceService service(**model, loop, iopt, registry);
+
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
+  if (!grpc.ok()) return Fail("gRPC", grpc.status());
+  std::unique_ptr<k3::HttpServer> http;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
+    if (!h.ok()) return Fail("metrics", h.status());
+    http = std::move(*h);
+    http->HandleMetrics(registry);
+  }
+  std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),
+               model_name.c_str(), grpc->port, http ? http->port() : -1);
+  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
+    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
+      std::fprintf(f, "%d %d\n", grpc->port, http ? http->port() : -1);
+      std::fclose(f);
+    }
+  }
+  // Health follows the experts: SERVING only with a complete, connected placement.
+  bool serving = false;
+  while (!k3::WaitForShutdown(absl::Milliseconds(100))) {
+    const bool ready = dispatcher.ready();
+    if (ready != serving) {
+      grpc->SetServing(ready);
+      serving = ready;
+      std::fprintf(stderr, "k3serve-attention %s: %s (placement v%lu)\n", node_id.c_str(), ready ? "SERVING" : "NOT_SERVING",
+                   static_cast<unsigned long>(dispatcher.placement_version()));
+    }
+  }
+  // Stop admitting; let the streams in flight finish, then stop the engine.
+  std::fprintf(stderr, "k3serve-attention %s: shutting down\n", node_id.c_str());
+  grpc->Shutdown(absl::Seconds(30));
+  loop.Stop();
+  reporter = nullptr;
+  return 0;
+}

@@ -1,0 +1,33 @@
+// gRPC server plumbing shared by the service binaries: health (grpc.health.v1), reflection,
+// message limits, and the listening port.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/status.h"
+
+namespace k3 {
+
+struct GrpcServer {
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;  // the bound port
+
+  // Health of the whole server ("" service name) and of each named service.
+  void SetServing(bool serving);
+  // Stops accepting, lets calls in flight finish until the deadline, then cancels them.
+  void Shutdown(absl::Duration grace);
+};
+
+// Builds and starts a server on `address` ("host:port"; port 0 picks one) with the given services,
+// the standard health service (NOT_SERVING until SetServing(true)) and server reflection.
+absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services);
+
+// grpc::Status <-> absl::Status (codes are numerically identical).
+grpc::Status ToGrpc(const absl::Status& s);
+absl::Status FromGrpc(const grpc::Status& s);
+
+}  // namespace k3

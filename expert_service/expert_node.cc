@@ -1,0 +1,223 @@
+#include "expert_service/expert_node.h"
+
+#include <algorithm>
+#include <map>
+
+#include "absl/time/clock.h"
+#include "common/grpc_server.h"
+#include "engine/expert_executor.h"
+#include "router/wire.h"
+
+namespace k3 {
+
+ExpertNode::ExpertNode(ModelConfig config, std::shared_ptr<const Checkpoint> checkpoint, ExpertNodeOptions options,
+                       metrics::Registry& reg)
+    : config_(std::move(config)), checkpoint_(std::move(checkpoint)), options_(std::move(options)) {
+  slots_ = std::make_shared<Slots>();
+  m_batch_rows_ = &metrics::Must(reg.AddHistogram("k3serve_expert_batch_rows", "Rows per expert batch (all layers).",
+                                                  metrics::ExponentialBuckets(1, 2, 14)))->WithLabels();
+  m_batch_requests_ = &metrics::Must(reg.AddHistogram("k3serve_expert_batch_requests",
+                                                      "Attention-node requests merged into one expert batch.",
+                                                      metrics::ExponentialBuckets(1, 2, 8)))->WithLabels();
+  m_batch_seconds_ = &metrics::Must(reg.AddHistogram("k3serve_expert_batch_seconds", "Compute time of one expert batch.",
+                                                     metrics::ExponentialBuckets(1e-5, 2, 18)))->WithLabels();
+  m_rows_ = &metrics::Must(reg.AddCounter("k3serve_expert_rows_total", "Token rows processed (a row may hold several of a token's experts)."))->WithLabels();
+  m_busy_seconds_ = &metrics::Must(reg.AddCounter("k3serve_expert_busy_seconds_total",
+                                                  "Seconds spent computing; rate() of it is the busy ratio."))->WithLabels();
+  m_slots_ = &metrics::Must(reg.AddGauge("k3serve_expert_slots", "(layer, expert) slots loaded on this node."))->WithLabels();
+  m_version_ = &metrics::Must(reg.AddGauge("k3serve_placement_version", "Placement version whose slots are loaded."))->WithLabels();
+  m_errors_ = metrics::Must(reg.AddCounter("k3serve_expert_errors_total", "Requests answered with an error, by code.", {"code"}));
+  worker_ = std::thread([this] { Worker(); });
+}
+
+ExpertNode::~ExpertNode() { Stop(); }
+
+absl::Status ExpertNode::Listen(dataplane::Transport& transport, const std::string& address) {
+  dataplane::ServerCallbacks cb;
+  cb.on_message = [this](dataplane::ConnectionId from, dataplane::Buffer msg) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back({from, std::move(msg)});
+    }
+    cv_.notify_one();
+  };
+  K3_ASSIGN_OR_RETURN(server_, transport.Listen(address, std::move(cb)));
+  return absl::OkStatus();
+}
+
+const std::string& ExpertNode::data_address() const { return server_->address(); }
+
+void ExpertNode::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !worker_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  server_.reset();
+}
+
+grpc::Status ExpertNode::LoadSlots(grpc::ServerContext*, const v1::LoadSlotsRequest* req, v1::LoadSlotsResponse* resp) {
+  auto next = std::make_shared<Slots>();
+  next->version = req->version();
+  for (const auto& s : req->slots()) {
+    if (s.layer() < 0 || s.layer() >= config_.num_layers || config_.mlp[s.layer()] != Mlp::kMoe)
+      return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("slots.layer = ", s.layer(), " is not a MoE layer")};
+    if (s.expert() < 0 || s.expert() >= config_.num_experts)
+      return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("slots.expert = ", s.expert(), " is out of range")};
+    next->slots.insert({s.layer(), s.expert()});
+  }
+  // Memory-maps just these experts (fp32: views into the file; bf16: converted copies).
+  auto weights = LoadWeights(config_, checkpoint_, WeightFilter::ExpertsOnly([&](int64_t l, int64_t e) {
+                               return next->slots.count({static_cast<int32_t>(l), static_cast<int32_t>(e)}) > 0;
+                             }));
+  if (!weights.ok()) return ToGrpc(weights.status());
+  next->weights = std::move(*weights);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    slots_ = next;
+  }
+  m_slots_->Set(static_cast<double>(next->slots.size()));
+  m_version_->Set(static_cast<double>(next->version));
+  resp->set_loaded(static_cast<int32_t>(next->slots.size()));
+  return grpc::Status::OK;
+}
+
+grpc::Status ExpertNode::Drain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainResponse*) {
+  draining_ = true;
+  return grpc::Status::OK;
+}
+
+grpc::Status ExpertNode::Status(grpc::ServerContext*, const v1::StatusRequest*, v1::ExpertStatus* resp) {
+  std::shared_ptr<const Slots> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = slots_;
+  }
+  resp->set_node_id(options_.node_id);
+  resp->set_placement_version(s->version);
+  resp->set_slots(static_cast<int32_t>(s->slots.size()));
+  resp->set_rows_processed(rows_processed_);
+  resp->set_batches_processed(batches_processed_);
+  resp->set_draining(draining_);
+  return grpc::Status::OK;
+}
+
+void ExpertNode::Worker() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and every queued row answered
+    // The batching window: more rows from other attention nodes (or micro-batches) may join.
+    const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.batch_window);
+    while (!stopping_ && static_cast<int64_t>(queue_.size()) < options_.max_batch_messages &&
+           cv_.wait_until(lock, deadline) != std::cv_status::timeout) {
+    }
+    std::vector<Item> items(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
+    queue_.clear();
+    std::shared_ptr<const Slots> slots = slots_;
+    lock.unlock();
+    RunBatch(items, *slots);
+    lock.lock();
+  }
+}
+
+void ExpertNode::ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s) {
+  m_errors_->WithLabels({absl::StatusCodeToString(s.code())}).Inc();
+  auto buf = wire::Encode<dataplane::Buffer>(wire::ErrorReply{request_id, s});
+  if (buf.ok() && server_) server_->Send(to, std::move(*buf), [](absl::Status) {});
+}
+
+void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
+  const absl::Time t0 = absl::Now();
+  struct Req {
+    size_t item;
+    wire::ExpertRequest m;
+    int64_t first_row = 0;
+  };
+  const int64_t k = config_.top_k, X = config_.expert_width();
+  std::map<uint32_t, std::vector<Req>> by_layer;  // grouped so each layer runs one grouped GEMM per expert
+  for (size_t i = 0; i < items.size(); ++i) {
+    auto m = wire::DecodeExpertRequest(items[i].msg.span(), {static_cast<uint32_t>(config_.num_experts)});
+    if (!m.ok()) {
+      ReplyError(items[i].from, 0, m.status());
+      continue;
+    }
+    absl::Status bad;
+    if (draining_) bad = absl::UnavailableError("expert node is draining");
+    else if (m->layer >= config_.num_layers || config_.mlp[m->layer] != Mlp::kMoe)
+      bad = absl::InvalidArgumentError(absl::StrCat("layer ", m->layer, " has no routed experts"));
+    else if (m->width != X)
+      bad = absl::InvalidArgumentError(absl::StrCat("width ", m->width, " != the model's expert width ", X));
+    for (uint32_t r = 0; bad.ok() && r < m->n_rows; ++r) {
+      if (m->row_offsets[r + 1] - m->row_offsets[r] > k)
+        bad = absl::InvalidArgumentError(absl::StrCat("row ", r, " has more than top_k = ", k, " experts"));
+    }
+    for (const auto& p : m->pairs)
+      if (bad.ok() && !slots.slots.count({static_cast<int32_t>(m->layer), static_cast<int32_t>(p.expert)}))
+        bad = absl::FailedPreconditionError(absl::StrCat("expert ", p.expert, " of layer ", m->layer,
+                                                         " is not hosted here (slots of placement v", slots.version, ")"));
+    if (!bad.ok()) {
+      ReplyError(items[i].from, m->request_id, bad);
+      continue;
+    }
+    by_layer[m->layer].push_back({i, std::move(*m)});
+  }
+
+  int64_t total_rows = 0;
+  LocalExpertExecutor executor(config_, *slots.weights);
+  for (auto& [layer, reqs] : by_layer) {
+    int64_t rows = 0;
+    for (auto& r : reqs) {
+      r.first_row = rows;
+      rows += r.m.n_rows;
+    }
+    // All requests' rows as one batch, pairs padded to top_k with -1 (not routed here).
+    std::vector<float> x(rows * X), out(rows * X);
+    std::vector<int32_t> idx(rows * k, -1);
+    std::vector<float> w(rows * k, 0.0f);
+    absl::Status status;
+    for (const auto& r : reqs) {
+      status.Update(wire::ToFloat(r.m.dtype, r.m.rows, std::span<float>(x.data() + r.first_row * X, r.m.n_rows * X)));
+      for (uint32_t i = 0; i < r.m.n_rows; ++i)
+        for (uint32_t p = r.m.row_offsets[i], j = 0; p < r.m.row_offsets[i + 1]; ++p, ++j) {
+          idx[(r.first_row + i) * k + j] = static_cast<int32_t>(r.m.pairs[p].expert);
+          w[(r.first_row + i) * k + j] = r.m.pairs[p].weight;
+        }
+    }
+    if (status.ok()) status = executor.Run({layer, rows, X, k, x.data(), idx.data(), w.data()}, out.data());
+    for (const auto& r : reqs) {
+      const dataplane::ConnectionId to = items[r.item].from;
+      if (!status.ok()) {
+        ReplyError(to, r.m.request_id, status);
+        continue;
+      }
+      wire::ExpertReply reply;
+      reply.request_id = r.m.request_id;
+      reply.dtype = r.m.dtype;
+      reply.width = static_cast<uint32_t>(X);
+      reply.n_rows = r.m.n_rows;
+      std::vector<std::byte> sums(static_cast<size_t>(r.m.n_rows) * X * wire::RowDTypeSize(r.m.dtype));
+      status.Update(wire::FromFloat(std::span<const float>(out.data() + r.first_row * X, r.m.n_rows * X), r.m.dtype, sums));
+      reply.sums = sums;
+      auto buf = wire::Encode<dataplane::Buffer>(reply);
+      if (!buf.ok()) {
+        ReplyError(to, r.m.request_id, buf.status());
+        continue;
+      }
+      server_->Send(to, std::move(*buf), [](absl::Status) {});
+    }
+    total_rows += rows;
+  }
+  const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+  m_batch_rows_->Observe(static_cast<double>(total_rows));
+  m_batch_requests_->Observe(static_cast<double>(items.size()));
+  m_batch_seconds_->Observe(secs);
+  m_busy_seconds_->Inc(secs);
+  m_rows_->Inc(static_cast<double>(total_rows));
+  rows_processed_ += total_rows;
+  batches_processed_++;
+}
+
+}  // namespace k3

@@ -1,0 +1,90 @@
+// An expert node: hosts the routed experts of its slots, gathers rows from every attention node
+// within a short batching window, runs them grouped by expert, and replies with per-token weighted
+// partial sums (a token's experts on this node pre-summed).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/time/time.h"
+#include "common/metrics.h"
+#include "engine/config.h"
+#include "engine/weights.h"
+#include "k3serve/v1/control.grpc.pb.h"
+
+namespace k3 {
+namespace v1 = ::k3serve::v1;
+}  // namespace k3
+#include "router/transport.h"
+
+namespace k3 {
+
+struct ExpertNodeOptions {
+  std::string node_id;
+  absl::Duration batch_window = absl::Microseconds(200);  // wait this long for more rows
+  int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
+};
+
+class ExpertNode final : public v1::ExpertAdmin::Service {
+ public:
+  ExpertNode(ModelConfig config, std::shared_ptr<const Checkpoint> checkpoint, ExpertNodeOptions options,
+             metrics::Registry& registry);
+  ~ExpertNode() override;
+
+  // Starts serving rows on the data plane.
+  absl::Status Listen(dataplane::Transport& transport, const std::string& address);
+  const std::string& data_address() const;
+
+  grpc::Status LoadSlots(grpc::ServerContext* ctx, const v1::LoadSlotsRequest* req, v1::LoadSlotsResponse* resp) override;
+  grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainResponse* resp) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::ExpertStatus* resp) override;
+
+  // Stops the data plane after the queued rows are answered.
+  void Stop();
+
+ private:
+  struct Item {
+    dataplane::ConnectionId from;
+    dataplane::Buffer msg;
+  };
+  struct Slots {
+    uint64_t version = 0;
+    std::set<std::pair<int32_t, int32_t>> slots;
+    std::shared_ptr<const ModelWeights> weights;  // only the slots' experts loaded
+  };
+  void Worker();
+  void RunBatch(std::vector<Item>& items, const Slots& slots);
+  void ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s);
+
+  const ModelConfig config_;
+  const std::shared_ptr<const Checkpoint> checkpoint_;
+  const ExpertNodeOptions options_;
+  std::unique_ptr<dataplane::Server> server_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stopping_ = false;
+  std::shared_ptr<const Slots> slots_;
+  std::thread worker_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> rows_processed_{0}, batches_processed_{0};
+
+  metrics::Histogram* m_batch_rows_;
+  metrics::Histogram* m_batch_requests_;
+  metrics::Histogram* m_batch_seconds_;
+  metrics::Counter* m_rows_;
+  metrics::Counter* m_busy_seconds_;
+  metrics::Gauge* m_slots_;
+  metrics::Gauge* m_version_;
+  metrics::Family<metrics::Counter>* m_errors_;
+};
+
+}  // namespace k3

@@ -1,0 +1,103 @@
+// k3serve-expert: an expert node (DESIGN §3).
+//   k3serve-expert --model DIR --router HOST:PORT [--host 0.0.0.0 --advertise-host 127.0.0.1]
+//                  [--grpc-port 0 --data-port 0 --metrics-port 0] [--batch-window-us 200]
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "common/flags.h"
+#include "common/grpc_server.h"
+#include "common/http_server.h"
+#include "common/signals.h"
+#include "expert_service/expert_node.h"
+#include "router/router_client.h"
+#include "router/ucx_transport.h"
+
+ABSL_FLAG(std::string, model, "", "model directory");
+ABSL_FLAG(std::string, router, "127.0.0.1:50050", "router gRPC address");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(std::string, advertise_host, "127.0.0.1", "address other nodes use to reach this one");
+ABSL_FLAG(int, grpc_port, 0, "admin gRPC port (0: pick one)");
+ABSL_FLAG(int, data_port, 0, "UCX data-plane port (0: pick one)");
+ABSL_FLAG(int, metrics_port, 0, "Prometheus /metrics port (0: pick one, -1: off)");
+ABSL_FLAG(std::string, node_id, "", "unique node id (default: expert-<host>-<pid>)");
+ABSL_FLAG(int, batch_window_us, 200, "how long to wait for more rows before running a batch");
+ABSL_FLAG(double, drain_seconds, 2.0, "on SIGTERM, keep answering this long after leaving the placement");
+ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port data_port\" here once serving");
+
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "k3serve-expert: %s: %s\n", what.c_str(), std::string(s.message()).c_str());
+  return 2;
+}
+
+std::string PortOf(const std::string& address) { return address.substr(address.rfind(':') + 1); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  k3::NormalizeFlagNames(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  k3::InstallShutdownSignals();
+  std::string node_id = absl::GetFlag(FLAGS_node_id);
+  if (node_id.empty()) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    node_id = absl::StrCat("expert-", host, "-", getpid());
+  }
+  auto config = k3::LoadModelConfig(absl::GetFlag(FLAGS_model));
+  if (!config.ok()) return Fail("config", config.status());
+  auto ckpt = k3::Checkpoint::Open(absl::GetFlag(FLAGS_model));
+  if (!ckpt.ok()) return Fail("checkpoint", ckpt.status());
+
+  k3::metrics::Registry registry;
+  k3::ExpertNodeOptions opt;
+  opt.node_id = node_id;
+  opt.batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
+  k3::ExpertNode node(*config, std::make_shared<const k3::Checkpoint>(std::move(*ckpt)), opt, registry);
+
+  auto transport = k3::dataplane::NewUcxTransport();
+  if (!transport.ok()) return Fail("UCX", transport.status());
+  if (auto s = node.Listen(**transport, absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_data_port))); !s.ok())
+    return Fail("data plane", s);
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&node});
+  if (!grpc.ok()) return Fail("gRPC", grpc.status());
+  std::unique_ptr<k3::HttpServer> http;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
+    if (!h.ok()) return Fail("metrics", h.status());
+    http = std::move(*h);
+    http->HandleMetrics(registry);
+  }
+  grpc->SetServing(true);
+
+  const std::string host = absl::GetFlag(FLAGS_advertise_host);
+  const std::string data_port = PortOf(node.data_address());
+  k3::v1::RegisterNodeRequest self;
+  self.set_role(k3::v1::NODE_ROLE_EXPERT);
+  self.set_node_id(node_id);
+  self.set_grpc_address(absl::StrCat(host, ":", grpc->port));
+  self.set_ucx_address(absl::StrCat(host, ":", data_port));
+  auto router = std::make_unique<k3::router::RouterClient>(absl::GetFlag(FLAGS_router), self, [](const k3::v1::Placement&) {});
+  std::fprintf(stderr, "k3serve-expert %s: data plane %s, gRPC %d, metrics %d\n", node_id.c_str(),
+               self.ucx_address().c_str(), grpc->port, http ? http->port() : -1);
+  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
+    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
+      std::fprintf(f, "%d %d %s\n", grpc->port, http ? http->port() : -1, data_port.c_str());
+      std::fclose(f);
+    }
+  }
+  while (!k3::WaitForShutdown(absl::Seconds(1))) {
+  }
+  // Leave the placement first (the router re-places our experts), keep answering rows that were
+  // already on their way, then stop.
+  std::fprintf(stderr, "k3serve-expert %s: leaving the placement\n", node_id.c_str());
+  router.reset();
+  absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  node.Stop();
+  grpc->Shutdown(absl::Seconds(1));
+  return 0;
+}

@@ -1,0 +1,295 @@
+#include "router/dispatcher.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace k3::router {
+
+Dispatcher::Dispatcher(const ModelConfig& config, dataplane::Transport& transport, DispatcherOptions options)
+    : config_(config), transport_(transport), options_(std::move(options)) {}
+
+Dispatcher::~Dispatcher() {
+  std::map<std::string, std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers.swap(peers_);
+    pending_.clear();
+    parts_.clear();
+  }
+  // Connections close outside the lock: their destructors wait for callbacks that take it.
+  for (auto& [id, p] : peers) p->conn.reset();
+}
+
+absl::Status Dispatcher::SetPlacement(std::shared_ptr<const PlacementTable> placement) {
+  std::vector<std::shared_ptr<Peer>> dropped;
+  std::vector<std::shared_ptr<Peer>> added;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::map<std::string, std::shared_ptr<Peer>> next;
+    for (const NodeInfo& n : placement->nodes) {
+      auto it = peers_.find(n.node_id);
+      if (it != peers_.end() && it->second->address == n.ucx_address && !it->second->failed) {
+        next[n.node_id] = it->second;
+      } else {
+        auto p = std::make_shared<Peer>();
+        p->node_id = n.node_id;
+        p->address = n.ucx_address;
+        next[n.node_id] = p;
+        added.push_back(p);
+      }
+    }
+    for (auto& [id, p] : peers_)
+      if (!next.count(id) || next[id] != p) dropped.push_back(p);
+    peers_ = std::move(next);
+    placement_ = std::move(placement);
+  }
+  for (auto& p : added) {
+    const std::string id = p->node_id;
+    dataplane::ClientCallbacks cb;
+    cb.on_message = [this, id](dataplane::Buffer msg) { OnMessage(id, std::move(msg)); };
+    cb.on_failure = [this, id](absl::Status why) { OnFailure(id, why); };
+    auto conn = transport_.Connect(p->address, std::move(cb));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!conn.ok()) {
+      p->failed = true;
+      return absl::UnavailableError(absl::StrCat("expert node ", id, " at ", p->address, ": ", conn.status().message()));
+    }
+    p->conn = std::move(*conn);
+  }
+  // Dropped peers close when their last in-flight part lets go of them (here, if none).
+  for (auto& p : dropped) {
+    std::unique_ptr<dataplane::Connection> conn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (p.use_count() == 1) conn = std::move(p->conn);
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool Dispatcher::ready() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!placement_ || !placement_->complete()) return false;
+  for (const auto& [id, p] : peers_)
+    if (p->failed || !p->conn) return false;
+  return true;
+}
+
+uint64_t Dispatcher::placement_version() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return placement_ ? placement_->version : 0;
+}
+
+absl::StatusOr<uint64_t> Dispatcher::Submit(const ExpertRequest& r) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!placement_) return absl::UnavailableError("no expert placement yet");
+  const PlacementTable& pt = *placement_;
+  if (r.layer < 0 || r.layer >= static_cast<int64_t>(pt.replicas.size()) || pt.replicas[r.layer].empty())
+    return absl::UnavailableError(absl::StrCat("placement v", pt.version, " has no experts for layer ", r.layer));
+  const auto& layer = pt.replicas[r.layer];
+
+  // Replica choice, row by row: the live replica with the least outstanding work.
+  std::vector<std::shared_ptr<Peer>> node_peer(pt.nodes.size());
+  for (size_t i = 0; i < pt.nodes.size(); ++i) {
+    auto it = peers_.find(pt.nodes[i].node_id);
+    if (it != peers_.end() && !it->second->failed && it->second->conn) node_peer[i] = it->second;
+  }
+  // chosen[n * k + j] = node index of pair j of row n (-1: not routed).
+  std::vector<int32_t> chosen(r.rows * r.top_k, -1);
+  std::vector<int64_t> load(pt.nodes.size(), 0);
+  for (size_t i = 0; i < pt.nodes.size(); ++i)
+    if (node_peer[i]) load[i] = node_peer[i]->outstanding_rows;
+  for (int64_t i = 0; i < r.rows * r.top_k; ++i) {
+    const int32_t e = r.idx[i];
+    if (e < 0) continue;
+    if (e >= static_cast<int32_t>(layer.size())) return absl::InvalidArgumentError(absl::StrCat("expert id ", e, " out of range"));
+    int32_t best = -1;
+    for (int32_t node : layer[e])
+      if (node_peer[node] && (best < 0 || load[node] < load[best])) best = node;
+    if (best < 0)
+      return absl::UnavailableError(absl::StrCat("expert ", e, " of layer ", r.layer, " has no live replica (placement v",
+                                                 pt.version, ")"));
+    chosen[i] = best;
+    load[best]++;
+  }
+
+  // One message per node: its rows, each with the pairs it hosts (pre-summed there).
+  const uint64_t ticket = next_ticket_++;
+  Pending& pending = pending_[ticket];
+  pending.rows = r.rows;
+  pending.width = r.width;
+  pending.start = absl::Now();
+  std::vector<std::pair<uint64_t, dataplane::Buffer>> sends;
+  std::vector<std::shared_ptr<Peer>> send_peers;
+  const size_t row_bytes = r.width * wire::RowDTypeSize(options_.dtype);
+  for (size_t node = 0; node < pt.nodes.size(); ++node) {
+    wire::ExpertRequest m;
+    m.layer = static_cast<uint32_t>(r.layer);
+    m.placement_version = pt.version;
+    m.dtype = options_.dtype;
+    m.width = static_cast<uint32_t>(r.width);
+    Part part;
+    for (int64_t n = 0; n < r.rows; ++n) {
+      bool any = false;
+      for (int64_t j = 0; j < r.top_k; ++j)
+        if (chosen[n * r.top_k + j] == static_cast<int32_t>(node)) {
+          m.pairs.push_back({static_cast<uint32_t>(r.idx[n * r.top_k + j]), r.w[n * r.top_k + j]});
+          any = true;
+        }
+      if (any) {
+        part.rows.push_back(static_cast<int32_t>(n));
+        m.row_offsets.push_back(static_cast<uint32_t>(m.pairs.size()));
+      }
+    }
+    if (part.rows.empty()) continue;
+    m.n_rows = static_cast<uint32_t>(part.rows.size());
+    std::vector<std::byte> rows(part.rows.size() * row_bytes);
+    std::vector<float> gathered(part.rows.size() * r.width);
+    for (size_t i = 0; i < part.rows.size(); ++i)
+      std::memcpy(gathered.data() + i * r.width, r.x + part.rows[i] * r.width, r.width * sizeof(float));
+    K3_RETURN_IF_ERROR(wire::FromFloat(gathered, options_.dtype, rows));
+    m.rows = rows;
+    m.request_id = next_wire_id_++;
+    auto buf = wire::Encode<dataplane::Buffer>(m);
+    if (!buf.ok()) {
+      pending_.erase(ticket);
+      return buf.status();
+    }
+    part.peer = node_peer[node];
+    part.peer->outstanding_rows += static_cast<int64_t>(part.rows.size());
+    part.bytes_out = buf->size();
+    parts_[m.request_id] = {ticket, pending.parts.size()};
+    pending.parts.push_back(std::move(part));
+    sends.emplace_back(m.request_id, std::move(*buf));
+    send_peers.push_back(node_peer[node]);
+  }
+  pending.remaining = static_cast<int>(pending.parts.size());
+  lock.unlock();
+  for (size_t i = 0; i < sends.size(); ++i) {
+    const uint64_t wire_id = sends[i].first;
+    send_peers[i]->conn->Send(std::move(sends[i].second), [this, wire_id](absl::Status s) {
+      if (!s.ok()) FinishPart(wire_id, s, {}, 0);
+    });
+  }
+  return ticket;
+}
+
+absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = pending_.find(ticket);
+  if (it == pending_.end()) return absl::NotFoundError(absl::StrCat("unknown dispatch ticket ", ticket));
+  Pending& p = it->second;
+  const absl::Time deadline = p.start + options_.timeout;
+  while (p.remaining > 0 && p.status.ok()) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      p.status = absl::DeadlineExceededError(absl::StrCat("expert dispatch did not complete within ",
+                                                          absl::FormatDuration(options_.timeout)));
+      break;
+    }
+    cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, absl::Milliseconds(100))));
+  }
+  absl::Status status = p.status;
+  if (status.ok()) {
+    // Sum the nodes' partials in node order: the same order every time.
+    std::fill(out, out + p.rows * p.width, 0.0f);
+    for (const Part& part : p.parts)
+      for (size_t i = 0; i < part.rows.size(); ++i) {
+        float* dst = out + part.rows[i] * p.width;
+        const float* src = part.sums.data() + i * p.width;
+        for (int64_t c = 0; c < p.width; ++c) dst[c] += src[c];
+      }
+  }
+  std::vector<std::shared_ptr<Peer>> release;
+  for (Part& part : p.parts) {
+    if (!part.done) part.peer->outstanding_rows -= static_cast<int64_t>(part.rows.size());
+    release.push_back(std::move(part.peer));
+  }
+  for (auto pit = parts_.begin(); pit != parts_.end();) pit = pit->second.first == ticket ? parts_.erase(pit) : std::next(pit);
+  pending_.erase(it);
+  // A peer that left the placement closes with its last part.
+  std::vector<std::unique_ptr<dataplane::Connection>> closing;
+  for (auto& peer : release)
+    if (peer.use_count() == 1 && peer->conn) closing.push_back(std::move(peer->conn));
+  lock.unlock();
+  closing.clear();
+  return status;
+}
+
+void Dispatcher::OnMessage(const std::string& node_id, dataplane::Buffer msg) {
+  auto type = wire::PeekType(msg.span());
+  if (!type.ok()) {
+    OnFailure(node_id, absl::DataLossError(absl::StrCat("malformed message from expert node: ", type.status().message())));
+    return;
+  }
+  if (*type == wire::MessageType::kExpertReply) {
+    auto reply = wire::DecodeExpertReply(msg.span());
+    if (!reply.ok()) {
+      OnFailure(node_id, reply.status());
+      return;
+    }
+    std::vector<float> sums(static_cast<size_t>(reply->n_rows) * reply->width);
+    absl::Status s = wire::ToFloat(reply->dtype, reply->sums, sums);
+    FinishPart(reply->request_id, s, sums, msg.size());
+  } else if (*type == wire::MessageType::kErrorReply) {
+    auto err = wire::DecodeErrorReply(msg.span());
+    if (err.ok()) FinishPart(err->request_id, err->status, {}, msg.size());
+  }
+}
+
+void Dispatcher::FinishPart(uint64_t wire_id, const absl::Status& status, std::span<const float> sums, size_t bytes_in) {
+  std::string node;
+  size_t bytes_out = 0;
+  absl::Duration took;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = parts_.find(wire_id);
+    if (it == parts_.end()) return;  // late reply for a request that already ended
+    Pending& p = pending_.at(it->second.first);
+    Part& part = p.parts[it->second.second];
+    if (part.done) return;
+    if (status.ok() && sums.size() != part.rows.size() * static_cast<size_t>(p.width)) {
+      p.status = absl::DataLossError(absl::StrCat("expert node ", part.peer->node_id, " replied with ", sums.size(),
+                                                  " values, expected ", part.rows.size() * p.width));
+    } else if (!status.ok()) {
+      p.status = absl::Status(status.code(), absl::StrCat("expert node ", part.peer->node_id, ": ", status.message()));
+    } else {
+      part.sums.assign(sums.begin(), sums.end());
+    }
+    part.done = true;
+    part.peer->outstanding_rows -= static_cast<int64_t>(part.rows.size());
+    p.remaining--;
+    node = part.peer->node_id;
+    bytes_out = part.bytes_out;
+    took = absl::Now() - p.start;
+    parts_.erase(it);
+  }
+  cv_.notify_all();
+  if (options_.on_part && status.ok()) options_.on_part(node, bytes_out, bytes_in, took);
+}
+
+void Dispatcher::OnFailure(const std::string& node_id, const absl::Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(node_id);
+    if (it != peers_.end()) it->second->failed = true;
+    const absl::Status s = absl::UnavailableError(absl::StrCat("expert node ", node_id, " failed: ", why.message()));
+    for (auto pit = parts_.begin(); pit != parts_.end();) {
+      Pending& p = pending_.at(pit->second.first);
+      Part& part = p.parts[pit->second.second];
+      if (part.peer->node_id == node_id && !part.done) {
+        part.done = true;
+        part.peer->outstanding_rows -= static_cast<int64_t>(part.rows.size());
+        p.remaining--;
+        if (p.status.ok()) p.status = s;
+        pit = parts_.erase(pit);
+      } else {
+        ++pit;
+      }
+    }
+  }
+  cv_.notify_all();
+  if (options_.on_node_failure) options_.on_node_failure(node_id, why);
+}
+
+}  // namespace k3::router

@@ -1,0 +1,86 @@
+#include "router/router_client.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include <grpcpp/grpcpp.h>
+
+namespace k3::router {
+
+RouterClient::RouterClient(const std::string& router_address, v1::RegisterNodeRequest self, OnPlacement on_placement)
+    : channel_(grpc::CreateChannel(router_address, grpc::InsecureChannelCredentials())),
+      stub_(v1::Router::NewStub(channel_)),
+      self_(std::move(self)),
+      on_placement_(std::move(on_placement)) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+RouterClient::~RouterClient() { Stop(); }
+
+void RouterClient::Stop() {
+  stop_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (watch_ != nullptr) watch_->TryCancel();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void RouterClient::Loop() {
+  auto backoff = std::chrono::milliseconds(100);
+  while (!stop_) {
+    grpc::ClientContext reg_ctx;
+    reg_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::RegisterNodeResponse reg;
+    const grpc::Status s = stub_->RegisterNode(&reg_ctx, self_, &reg);
+    if (!s.ok()) {
+      connected_ = false;
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+      continue;
+    }
+    backoff = std::chrono::milliseconds(100);
+    grpc::ClientContext ctx;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) break;
+      watch_ = &ctx;
+    }
+    v1::WatchPlacementRequest req;
+    req.set_node_id(self_.node_id());
+    auto reader = stub_->WatchPlacement(&ctx, req);
+    connected_ = true;
+    v1::Placement p;
+    while (reader->Read(&p)) on_placement_(p);
+    reader->Finish();
+    connected_ = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      watch_ = nullptr;
+    }
+    if (!stop_) {
+      std::fprintf(stderr, "%s: lost the router; registering again\n", self_.node_id().c_str());
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+}
+
+void RouterClient::ReportNodeFailure(const std::string& node_id, const std::string& detail) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::ReportNodeFailureRequest req;
+  req.set_reporter_id(self_.node_id());
+  req.set_node_id(node_id);
+  req.set_detail(detail);
+  v1::ReportNodeFailureResponse resp;
+  stub_->ReportNodeFailure(&ctx, req, &resp);
+}
+
+void RouterClient::ReportLoad(const v1::LoadReport& report) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::ReportLoadResponse resp;
+  stub_->ReportLoad(&ctx, report, &resp);
+}
+
+}  // namespace k3::router

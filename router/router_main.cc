@@ -1,0 +1,65 @@
+// k3serve-router: node registration, the versioned expert placement, load aggregation.
+//   k3serve-router --model DIR [--host 0.0.0.0] [--grpc-port 50050] [--metrics-port 9150]
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "common/flags.h"
+#include "common/grpc_server.h"
+#include "common/http_server.h"
+#include "common/signals.h"
+#include "router/router_service.h"
+
+ABSL_FLAG(std::string, model, "", "model directory (only config.json is read)");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(int, grpc_port, 50050, "gRPC port (0: pick one)");
+ABSL_FLAG(int, metrics_port, 9150, "Prometheus /metrics port (0: pick one, -1: off)");
+ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once serving");
+
+int main(int argc, char** argv) {
+  k3::NormalizeFlagNames(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  k3::InstallShutdownSignals();
+  auto config = k3::LoadModelConfig(absl::GetFlag(FLAGS_model));
+  if (!config.ok()) {
+    std::fprintf(stderr, "k3serve-router: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  k3::metrics::Registry registry;
+  k3::router::RouterService service(*config, registry);
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
+  if (!grpc.ok()) {
+    std::fprintf(stderr, "k3serve-router: %s\n", std::string(grpc.status().message()).c_str());
+    return 2;
+  }
+  std::unique_ptr<k3::HttpServer> http;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
+    if (!h.ok()) {
+      std::fprintf(stderr, "k3serve-router: metrics: %s\n", std::string(h.status().message()).c_str());
+      return 2;
+    }
+    http = std::move(*h);
+    http->HandleMetrics(registry);
+    // Per-expert load is too many series for Prometheus (DESIGN §4): it lives here.
+    http->Handle("GET", "/admin/expert_load", [&service](const k3::HttpRequest&) {
+      return k3::HttpResponse{200, "application/json", nlohmann::json(service.ExpertLoad()).dump()};
+    });
+  }
+  grpc->SetServing(true);
+  std::fprintf(stderr, "k3serve-router: serving gRPC on port %d, metrics on port %d\n", grpc->port, http ? http->port() : -1);
+  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
+    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
+      std::fprintf(f, "%d %d\n", grpc->port, http ? http->port() : -1);
+      std::fclose(f);
+    }
+  }
+  while (!k3::WaitForShutdown(absl::Seconds(1))) {
+  }
+  std::fprintf(stderr, "k3serve-router: shutting down\n");
+  service.Stop();
+  grpc->Shutdown(absl::Seconds(2));
+  return 0;
+}

@@ -1,0 +1,100 @@
+// The data-plane transport: opaque messages between attention nodes (clients) and expert nodes
+// (servers). Byte-oriented on purpose; the message format is router/wire.h. One implementation is
+// UCX (router/ucx_transport.h); an NCCL one (GPU to GPU) is meant to follow behind the same
+// interface.
+//
+// Threading: Send may be called from any thread, including from inside a callback. Every callback
+// (messages, send completions, failures) runs on the transport's single progress thread, so a
+// callback must not block: hand heavy work to another thread. Connect, Listen and the destructors
+// of Connection and Server must not be called from a callback; they return (or die with a message)
+// rather than deadlock. Connections and servers must be destroyed before their transport.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/functional/any_invocable.h"
+#include "common/status.h"
+
+namespace k3::dataplane {
+
+// One owned message. The bytes are not zero-filled on allocation: messages are up to many MiB and
+// always written in full (by the codec, or by the transport on receive).
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(size_t size)
+      : data_(size == 0 ? nullptr : std::make_unique_for_overwrite<std::byte[]>(size)), size_(size) {}
+
+  std::byte* data() { return data_.get(); }
+  const std::byte* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  std::span<std::byte> span() { return {data_.get(), size_}; }
+  std::span<const std::byte> span() const { return {data_.get(), size_}; }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  size_t size_ = 0;
+};
+
+// Runs once when a Send is over: OK when the message has left (the buffer is released), else why
+// it was not delivered: UNAVAILABLE (peer failed, connection closed), CANCELLED (closed locally).
+using SendDone = absl::AnyInvocable<void(absl::Status)>;
+
+// ---- client side: one connection to one expert node ----
+
+// Callbacks left empty are not called.
+struct ClientCallbacks {
+  std::function<void(Buffer msg)> on_message = nullptr;  // a message from the server
+  // The connection is dead (peer crashed or closed, unreachable, ...). Runs at most once; sends
+  // that were in flight complete with an error, later ones fail at once.
+  std::function<void(absl::Status why)> on_failure = nullptr;
+};
+
+class Connection {
+ public:
+  // Closes the connection. Sends still in flight complete (with CANCELLED) before it returns, and
+  // no callback of this connection runs afterwards.
+  virtual ~Connection() = default;
+  virtual void Send(Buffer msg, SendDone done) = 0;
+  virtual const std::string& address() const = 0;  // the server's address as given to Connect
+};
+
+// ---- server side: accepts connections from any number of clients ----
+
+using ConnectionId = uint64_t;  // unique within one server, never reused
+
+struct ServerCallbacks {
+  std::function<void(ConnectionId from, Buffer msg)> on_message = nullptr;
+  // A client connection is gone (closed by the client, or the client failed). Its id is dead.
+  std::function<void(ConnectionId conn, absl::Status why)> on_closed = nullptr;
+};
+
+class Server {
+ public:
+  // Stops listening and closes every connection; as for Connection, sends in flight complete and no
+  // callback runs after it returns.
+  virtual ~Server() = default;
+  // Sends on a connection that this server accepted (the reply path). NOT_FOUND if it is closed.
+  virtual void Send(ConnectionId to, Buffer msg, SendDone done) = 0;
+  // The bound address as "host:port" (the real port when 0 was asked): what clients Connect to.
+  virtual const std::string& address() const = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Starts connecting to a server at "host:port". Returns at once; if the server cannot be reached,
+  // on_failure reports it. InvalidArgument for an address that does not parse or resolve.
+  virtual absl::StatusOr<std::unique_ptr<Connection>> Connect(const std::string& address,
+                                                              ClientCallbacks callbacks) = 0;
+  // Listens on "host:port"; port 0 picks a free one (see Server::address).
+  virtual absl::StatusOr<std::unique_ptr<Server>> Listen(const std::string& address,
+                                                         ServerCallbacks callbacks) = 0;
+};
+
+}  // namespace k3::dataplane

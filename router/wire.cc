@@ -1,0 +1,396 @@
+#include "router/wire.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+#include "common/bf16.h"
+
+namespace k3::wire {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the wire format is little-endian and encoded with memcpy; add byte swaps here first");
+
+constexpr size_t kRequestFixed = 36;  // request_id .. n_pairs
+constexpr size_t kReplyFixed = 20;    // request_id .. n_rows
+constexpr size_t kErrorFixed = 16;    // request_id .. message_length
+constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
+
+template <class... Args>
+absl::Status Malformed(MessageType type, const absl::FormatSpec<Args...>& format, const Args&... args) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(MessageTypeName(type), ": ", absl::StrFormat(format, args...)));
+}
+
+bool ValidDType(RowDType dtype) { return dtype == RowDType::kF32 || dtype == RowDType::kBF16; }
+
+// *out = n_rows * width * element size; false on overflow of size_t.
+bool PayloadBytes(uint32_t n_rows, uint32_t width, RowDType dtype, size_t* out) {
+  return !__builtin_mul_overflow(static_cast<size_t>(n_rows), static_cast<size_t>(width), out) &&
+         !__builtin_mul_overflow(*out, RowDTypeSize(dtype), out);
+}
+
+// Writes fields in order. EncodeTo checks the output size first, so every write is in bounds.
+class Writer {
+ public:
+  explicit Writer(std::span<std::byte> out) : out_(out) {}
+  template <class T>
+  void Put(T v) {
+    std::memcpy(out_.data() + pos_, &v, sizeof(T));
+    pos_ += sizeof(T);
+  }
+  template <class T>
+  void PutArray(std::span<const T> v) {
+    if (!v.empty()) std::memcpy(out_.data() + pos_, v.data(), v.size_bytes());
+    pos_ += v.size_bytes();
+  }
+  void PutHeader(MessageType type) {
+    Put(kMagic);
+    Put(kVersion);
+    Put(static_cast<uint16_t>(type));
+    Put(static_cast<uint64_t>(out_.size()));
+  }
+
+ private:
+  std::span<std::byte> out_;
+  size_t pos_ = 0;
+};
+
+// Reads fields in order. Callers check the buffer size before each group of reads.
+class Reader {
+ public:
+  Reader(std::span<const std::byte> in, size_t pos) : in_(in), pos_(pos) {}
+  template <class T>
+  T Get() {
+    T v;
+    std::memcpy(&v, in_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  template <class T>
+  std::vector<T> GetArray(size_t n) {
+    std::vector<T> v(n);
+    if (n != 0) std::memcpy(v.data(), in_.data() + pos_, n * sizeof(T));
+    pos_ += n * sizeof(T);
+    return v;
+  }
+  std::span<const std::byte> GetBytes(size_t n) {
+    auto s = in_.subspan(pos_, n);
+    pos_ += n;
+    return s;
+  }
+
+ private:
+  std::span<const std::byte> in_;
+  size_t pos_;
+};
+
+// Checks the header and the type; the body starts at kHeaderSize.
+absl::Status CheckHeader(std::span<const std::byte> msg, MessageType want) {
+  K3_ASSIGN_OR_RETURN(MessageType got, PeekType(msg));
+  if (got != want) return Malformed(want, "got a message of type %s", MessageTypeName(got));
+  return absl::OkStatus();
+}
+
+absl::Status CheckDType(MessageType type, uint8_t dtype, const uint8_t reserved[3]) {
+  if (!ValidDType(static_cast<RowDType>(dtype))) return Malformed(type, "unknown row dtype %d", dtype);
+  if (reserved[0] != 0 || reserved[1] != 0 || reserved[2] != 0)
+    return Malformed(type, "reserved bytes after dtype are not zero");
+  return absl::OkStatus();
+}
+
+// The CSR structure and the pairs. `expert_bound` is exclusive (2^32 when unchecked).
+absl::Status CheckPairs(std::span<const uint32_t> offsets, std::span<const ExpertPair> pairs,
+                        uint64_t expert_bound) {
+  constexpr MessageType kT = MessageType::kExpertRequest;
+  if (offsets[0] != 0) return Malformed(kT, "row_offsets[0] is %d, must be 0", offsets[0]);
+  const size_t n_rows = offsets.size() - 1;
+  for (size_t r = 0; r < n_rows; ++r) {
+    if (offsets[r] > offsets[r + 1])
+      return Malformed(kT, "row_offsets not monotone: row_offsets[%d] = %d > row_offsets[%d] = %d", r,
+                       offsets[r], r + 1, offsets[r + 1]);
+  }
+  if (offsets[n_rows] != pairs.size())
+    return Malformed(kT, "row_offsets[n_rows] = %d does not match n_pairs = %d", offsets[n_rows],
+                     pairs.size());
+  for (size_t r = 0; r < n_rows; ++r) {
+    for (uint32_t p = offsets[r]; p < offsets[r + 1]; ++p) {
+      if (pairs[p].expert >= expert_bound)
+        return Malformed(kT, "pair %d (row %d): expert id %d out of range [0, %d)", p, r, pairs[p].expert,
+                         expert_bound);
+      if (!std::isfinite(pairs[p].weight))
+        return Malformed(kT, "pair %d (row %d): weight %g is not finite", p, r, pairs[p].weight);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kExpertRequest: return "ExpertRequest";
+    case MessageType::kExpertReply: return "ExpertReply";
+    case MessageType::kErrorReply: return "ErrorReply";
+  }
+  return "?";
+}
+
+size_t RowDTypeSize(RowDType dtype) { return dtype == RowDType::kBF16 ? 2 : 4; }
+
+// ---- encoding ----
+
+absl::StatusOr<size_t> EncodedSize(const ExpertRequest& m) {
+  constexpr MessageType kT = MessageType::kExpertRequest;
+  if (!ValidDType(m.dtype)) return Malformed(kT, "unknown row dtype %d", static_cast<int>(m.dtype));
+  if (m.width == 0) return Malformed(kT, "width is 0");
+  if (m.row_offsets.size() != static_cast<size_t>(m.n_rows) + 1)
+    return Malformed(kT, "row_offsets has %d entries, want n_rows + 1 = %d", m.row_offsets.size(),
+                     static_cast<size_t>(m.n_rows) + 1);
+  if (m.pairs.size() > std::numeric_limits<uint32_t>::max())
+    return Malformed(kT, "%d pairs do not fit the u32 count", m.pairs.size());
+  K3_RETURN_IF_ERROR(CheckPairs(m.row_offsets, m.pairs, uint64_t{1} << 32));
+  size_t rows_bytes;
+  if (!PayloadBytes(m.n_rows, m.width, m.dtype, &rows_bytes) || m.rows.size() != rows_bytes)
+    return Malformed(kT, "rows hold %d bytes, want n_rows %d x width %d x %d", m.rows.size(), m.n_rows,
+                     m.width, RowDTypeSize(m.dtype));
+  return kHeaderSize + kRequestFixed + m.row_offsets.size() * sizeof(uint32_t) +
+         m.pairs.size() * sizeof(ExpertPair) + rows_bytes;
+}
+
+absl::StatusOr<size_t> EncodedSize(const ExpertReply& m) {
+  constexpr MessageType kT = MessageType::kExpertReply;
+  if (!ValidDType(m.dtype)) return Malformed(kT, "unknown row dtype %d", static_cast<int>(m.dtype));
+  if (m.width == 0) return Malformed(kT, "width is 0");
+  size_t sums_bytes;
+  if (!PayloadBytes(m.n_rows, m.width, m.dtype, &sums_bytes) || m.sums.size() != sums_bytes)
+    return Malformed(kT, "sums hold %d bytes, want n_rows %d x width %d x %d", m.sums.size(), m.n_rows,
+                     m.width, RowDTypeSize(m.dtype));
+  return kHeaderSize + kReplyFixed + sums_bytes;
+}
+
+absl::StatusOr<size_t> EncodedSize(const ErrorReply& m) {
+  constexpr MessageType kT = MessageType::kErrorReply;
+  if (m.status.ok()) return Malformed(kT, "status is OK");
+  if (m.status.message().size() > std::numeric_limits<uint32_t>::max())
+    return Malformed(kT, "message of %d bytes is too long", m.status.message().size());
+  return kHeaderSize + kErrorFixed + m.status.message().size();
+}
+
+namespace {
+
+template <class M>
+absl::Status CheckOutSize(const M& m, std::span<std::byte> out) {
+  K3_ASSIGN_OR_RETURN(size_t size, EncodedSize(m));
+  if (out.size() != size)
+    return absl::InvalidArgumentError(absl::StrFormat("encode buffer holds %d bytes, message needs %d",
+                                                      out.size(), size));
+  return absl::OkStatus();
+}
+
+void PutDType(Writer& w, RowDType dtype) {
+  w.Put(static_cast<uint8_t>(dtype));
+  for (int i = 0; i < 3; ++i) w.Put(uint8_t{0});
+}
+
+}  // namespace
+
+absl::Status EncodeTo(const ExpertRequest& m, std::span<std::byte> out) {
+  K3_RETURN_IF_ERROR(CheckOutSize(m, out));
+  Writer w(out);
+  w.PutHeader(MessageType::kExpertRequest);
+  w.Put(m.request_id);
+  w.Put(m.placement_version);
+  w.Put(m.layer);
+  PutDType(w, m.dtype);
+  w.Put(m.width);
+  w.Put(m.n_rows);
+  w.Put(static_cast<uint32_t>(m.pairs.size()));
+  w.PutArray(std::span<const uint32_t>(m.row_offsets));
+  static_assert(sizeof(ExpertPair) == 8, "ExpertPair is written as its in-memory (u32, f32) layout");
+  w.PutArray(std::span<const ExpertPair>(m.pairs));
+  w.PutArray(m.rows);
+  return absl::OkStatus();
+}
+
+absl::Status EncodeTo(const ExpertReply& m, std::span<std::byte> out) {
+  K3_RETURN_IF_ERROR(CheckOutSize(m, out));
+  Writer w(out);
+  w.PutHeader(MessageType::kExpertReply);
+  w.Put(m.request_id);
+  PutDType(w, m.dtype);
+  w.Put(m.width);
+  w.Put(m.n_rows);
+  w.PutArray(m.sums);
+  return absl::OkStatus();
+}
+
+absl::Status EncodeTo(const ErrorReply& m, std::span<std::byte> out) {
+  K3_RETURN_IF_ERROR(CheckOutSize(m, out));
+  Writer w(out);
+  w.PutHeader(MessageType::kErrorReply);
+  w.Put(m.request_id);
+  w.Put(static_cast<uint32_t>(m.status.code()));
+  w.Put(static_cast<uint32_t>(m.status.message().size()));
+  w.PutArray(std::span<const char>(m.status.message().data(), m.status.message().size()));
+  return absl::OkStatus();
+}
+
+// ---- decoding ----
+
+absl::StatusOr<MessageType> PeekType(std::span<const std::byte> msg) {
+  if (msg.size() < kHeaderSize)
+    return absl::InvalidArgumentError(
+        absl::StrFormat("truncated header: %d bytes, need %d", msg.size(), kHeaderSize));
+  Reader r(msg, 0);
+  const auto magic = r.Get<uint32_t>();
+  const auto version = r.Get<uint16_t>();
+  const auto type = r.Get<uint16_t>();
+  const auto length = r.Get<uint64_t>();
+  if (magic != kMagic)
+    return absl::InvalidArgumentError(absl::StrFormat("bad magic 0x%08x, want 0x%08x", magic, kMagic));
+  if (version != kVersion)
+    return absl::InvalidArgumentError(
+        absl::StrFormat("unsupported version %d (this build speaks %d)", version, kVersion));
+  if (type < static_cast<uint16_t>(MessageType::kExpertRequest) ||
+      type > static_cast<uint16_t>(MessageType::kErrorReply))
+    return absl::InvalidArgumentError(absl::StrFormat("unknown message type %d", type));
+  if (length != msg.size())
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "length mismatch: header says %d bytes, buffer holds %d (truncated?)", length, msg.size()));
+  return static_cast<MessageType>(type);
+}
+
+absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg,
+                                                  const DecodeLimits& limits) {
+  constexpr MessageType kT = MessageType::kExpertRequest;
+  K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
+  if (msg.size() < kHeaderSize + kRequestFixed)
+    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + kRequestFixed);
+  Reader r(msg, kHeaderSize);
+  ExpertRequest m;
+  m.request_id = r.Get<uint64_t>();
+  m.placement_version = r.Get<uint64_t>();
+  m.layer = r.Get<uint32_t>();
+  const auto dtype = r.Get<uint8_t>();
+  const uint8_t reserved[3] = {r.Get<uint8_t>(), r.Get<uint8_t>(), r.Get<uint8_t>()};
+  K3_RETURN_IF_ERROR(CheckDType(kT, dtype, reserved));
+  m.dtype = static_cast<RowDType>(dtype);
+  m.width = r.Get<uint32_t>();
+  m.n_rows = r.Get<uint32_t>();
+  const auto n_pairs = r.Get<uint32_t>();
+  if (m.width == 0) return Malformed(kT, "width is 0");
+
+  // Offsets and pairs cannot overflow (u32 counts times small sizes); the rows can.
+  size_t rows_bytes;
+  if (!PayloadBytes(m.n_rows, m.width, m.dtype, &rows_bytes))
+    return Malformed(kT, "rows size overflows: n_rows %d x width %d x %d", m.n_rows, m.width,
+                     RowDTypeSize(m.dtype));
+  const size_t fixed = kHeaderSize + kRequestFixed + (static_cast<size_t>(m.n_rows) + 1) * sizeof(uint32_t) +
+                       static_cast<size_t>(n_pairs) * sizeof(ExpertPair);
+  size_t total;
+  if (__builtin_add_overflow(fixed, rows_bytes, &total) || total != msg.size())
+    return Malformed(kT, "payload size mismatch: n_rows %d, n_pairs %d, width %d, dtype %d need %d bytes, "
+                     "message has %d", m.n_rows, n_pairs, m.width, dtype, total, msg.size());
+
+  // Allocations below are bounded by the buffer size checked above.
+  m.row_offsets = r.GetArray<uint32_t>(static_cast<size_t>(m.n_rows) + 1);
+  m.pairs = r.GetArray<ExpertPair>(n_pairs);
+  K3_RETURN_IF_ERROR(CheckPairs(m.row_offsets, m.pairs, limits.num_experts));
+  m.rows = r.GetBytes(rows_bytes);
+  return m;
+}
+
+absl::StatusOr<ExpertReply> DecodeExpertReply(std::span<const std::byte> msg) {
+  constexpr MessageType kT = MessageType::kExpertReply;
+  K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
+  if (msg.size() < kHeaderSize + kReplyFixed)
+    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + kReplyFixed);
+  Reader r(msg, kHeaderSize);
+  ExpertReply m;
+  m.request_id = r.Get<uint64_t>();
+  const auto dtype = r.Get<uint8_t>();
+  const uint8_t reserved[3] = {r.Get<uint8_t>(), r.Get<uint8_t>(), r.Get<uint8_t>()};
+  K3_RETURN_IF_ERROR(CheckDType(kT, dtype, reserved));
+  m.dtype = static_cast<RowDType>(dtype);
+  m.width = r.Get<uint32_t>();
+  m.n_rows = r.Get<uint32_t>();
+  if (m.width == 0) return Malformed(kT, "width is 0");
+  size_t sums_bytes;
+  if (!PayloadBytes(m.n_rows, m.width, m.dtype, &sums_bytes))
+    return Malformed(kT, "sums size overflows: n_rows %d x width %d x %d", m.n_rows, m.width,
+                     RowDTypeSize(m.dtype));
+  size_t total;
+  if (__builtin_add_overflow(kHeaderSize + kReplyFixed, sums_bytes, &total) || total != msg.size())
+    return Malformed(kT, "payload size mismatch: n_rows %d, width %d, dtype %d need %d bytes, message has %d",
+                     m.n_rows, m.width, dtype, total, msg.size());
+  m.sums = r.GetBytes(sums_bytes);
+  return m;
+}
+
+absl::StatusOr<ErrorReply> DecodeErrorReply(std::span<const std::byte> msg) {
+  constexpr MessageType kT = MessageType::kErrorReply;
+  K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
+  if (msg.size() < kHeaderSize + kErrorFixed)
+    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + kErrorFixed);
+  Reader r(msg, kHeaderSize);
+  ErrorReply m;
+  m.request_id = r.Get<uint64_t>();
+  const auto code = r.Get<uint32_t>();
+  const auto length = r.Get<uint32_t>();
+  if (code == 0) return Malformed(kT, "status code is OK");
+  if (code > kMaxStatusCode) return Malformed(kT, "unknown status code %d", code);
+  if (kHeaderSize + kErrorFixed + static_cast<size_t>(length) != msg.size())
+    return Malformed(kT, "payload size mismatch: message_length %d needs %d bytes, message has %d", length,
+                     kHeaderSize + kErrorFixed + static_cast<size_t>(length), msg.size());
+  const auto text = r.GetBytes(length);
+  m.status = absl::Status(static_cast<absl::StatusCode>(code),
+                          absl::string_view(reinterpret_cast<const char*>(text.data()), text.size()));
+  return m;
+}
+
+absl::StatusOr<Message> Decode(std::span<const std::byte> msg, const DecodeLimits& limits) {
+  K3_ASSIGN_OR_RETURN(MessageType type, PeekType(msg));
+  switch (type) {
+    case MessageType::kExpertRequest: return DecodeExpertRequest(msg, limits);
+    case MessageType::kExpertReply: return DecodeExpertReply(msg);
+    case MessageType::kErrorReply: return DecodeErrorReply(msg);
+  }
+  return absl::InternalError("unreachable message type");
+}
+
+// ---- values ----
+
+absl::Status ToFloat(RowDType dtype, std::span<const std::byte> src, std::span<float> dst) {
+  if (src.size() != dst.size() * RowDTypeSize(dtype))
+    return absl::InvalidArgumentError(absl::StrFormat("ToFloat: %d bytes for %d values", src.size(), dst.size()));
+  if (dtype == RowDType::kF32) {
+    if (!dst.empty()) std::memcpy(dst.data(), src.data(), dst.size_bytes());
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < dst.size(); ++i) {
+    uint16_t h;
+    std::memcpy(&h, src.data() + 2 * i, 2);
+    dst[i] = Bf16ToFloat(h);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FromFloat(std::span<const float> src, RowDType dtype, std::span<std::byte> dst) {
+  if (dst.size() != src.size() * RowDTypeSize(dtype))
+    return absl::InvalidArgumentError(absl::StrFormat("FromFloat: %d bytes for %d values", dst.size(), src.size()));
+  if (dtype == RowDType::kF32) {
+    if (!src.empty()) std::memcpy(dst.data(), src.data(), src.size_bytes());
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < src.size(); ++i) {
+    const uint16_t h = FloatToBf16(src[i]);
+    std::memcpy(dst.data() + 2 * i, &h, 2);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace k3::wire

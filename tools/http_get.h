@@ -1,0 +1,15 @@
+// A minimal blocking HTTP/1.0 GET over loopback, to scrape /metrics in tools and tests.
+#pragma once
+
+#include <string>
+
+#include "common/status.h"
+
+namespace k3 {
+
+absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path);
+// The value of a sample line "name{labels} value" or "name value" in a text exposition; the sum
+// over every series of that name whose line contains `label_filter`.
+double MetricValue(const std::string& exposition, const std::string& name, const std::string& label_filter = "");
+
+}  // namespace k3
