@@ -82,6 +82,7 @@ absl::StatusOr<const ExpertRequest*> ForwardPass::RunToDispatch() {
     a_.resize(N_ * d);
     y_.resize(N_ * d);
     m_.resize(N_ * d);
+    if (c_.attn_res_block > 0) BuildBlockReads(0, 0);  // layer 0's first read: an empty bank
   }
   while (layer_ < c_.num_layers) {
     const int64_t l = layer_;
@@ -108,28 +109,42 @@ absl::StatusOr<const ExpertRequest*> ForwardPass::RunToDispatch() {
   return nullptr;
 }
 
-const float* ForwardPass::ResidualRead(const AttnResWeights& rw) {
+const float* ForwardPass::ResidualRead(int64_t read) {
   if (c_.attn_res_block == 0) return x_.data();
-  std::vector<const float*> sources;
-  for (const auto& b : bank_) sources.push_back(b.data());
-  sources.push_back(x_.data());
-  cpu::AttnResRead(N_, c_.hidden_size, sources.data(), static_cast<int64_t>(sources.size()), rw.proj, rw.norm,
-                   c_.rms_norm_eps, read_.data());
+  block_reads_.Merge(read - first_read_, x_.data(), read_.data());
   return read_.data();
+}
+
+void ForwardPass::BuildBlockReads(int64_t first, int64_t last) {
+  const int64_t L = c_.num_layers;
+  std::vector<cpu::AttnResQuery> reads;
+  for (int64_t r = first; r <= last; ++r) {
+    const AttnResWeights& rw = r == 2 * L   ? w_.out_res
+                               : r % 2 == 0 ? w_.layers[r / 2].attn_res
+                                            : w_.layers[r / 2].mlp_res;
+    reads.push_back({rw.proj, rw.norm});
+  }
+  std::vector<const float*> bank;
+  for (const auto& b : bank_) bank.push_back(b.data());
+  block_reads_.Build(N_, c_.hidden_size, bank.data(), static_cast<int64_t>(bank.size()), reads.data(),
+                     static_cast<int64_t>(reads.size()), c_.rms_norm_eps);
+  first_read_ = first;
 }
 
 void ForwardPass::BeginLayer(int64_t l) {
   const int64_t d = c_.hidden_size;
   const LayerWeights& lw = w_.layers[l];
-  const float* h = ResidualRead(lw.attn_res);
+  const float* h = ResidualRead(2 * l);
   cpu::RmsNorm(N_, d, h, lw.input_norm, c_.rms_norm_eps, a_.data());
   if (c_.attn_res_block > 0 && l % c_.attn_res_block == 0) {  // the partial sum closes a block
     bank_.push_back(x_);
     std::fill(x_.begin(), x_.end(), 0.0f);
+    // The bank now stays fixed up to the next block's first read (or the final read).
+    BuildBlockReads(2 * l + 1, std::min(2 * (l + c_.attn_res_block), 2 * c_.num_layers));
   }
   Mixer(l, a_.data(), y_.data());
   for (int64_t i = 0; i < N_ * d; ++i) x_[i] += y_[i];
-  h = ResidualRead(lw.mlp_res);
+  h = ResidualRead(2 * l + 1);
   cpu::RmsNorm(N_, d, h, lw.post_norm, c_.rms_norm_eps, m_.data());
 }
 
@@ -261,7 +276,7 @@ void ForwardPass::MoeBack(int64_t l) {
 
 void ForwardPass::Finish() {
   const int64_t d = c_.hidden_size, V = c_.vocab_size;
-  const float* f = c_.attn_res_block > 0 ? ResidualRead(w_.out_res) : x_.data();
+  const float* f = ResidualRead(2 * c_.num_layers);
   std::vector<int64_t> rows;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (chunks_[i].logits == LogitsMode::kAll) {

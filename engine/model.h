@@ -11,6 +11,7 @@
 #include "engine/expert_executor.h"
 #include "engine/state.h"
 #include "engine/weights.h"
+#include "kernels/cpu/attnres.h"
 
 namespace k3 {
 
@@ -59,8 +60,11 @@ class ForwardPass {
   void Mixer(int64_t l, const float* a, float* y);
   void Kda(int64_t l, const float* a, float* y);
   void Mla(int64_t l, const float* a, float* y);
-  // The input of a sub-layer's norm: the residual stream, or a Block AttnRes read.
-  const float* ResidualRead(const AttnResWeights& rw);
+  // The input of a sub-layer's norm: the residual stream, or Block AttnRes read number `read`
+  // (2ℓ before layer ℓ's mixer, 2ℓ + 1 before its MLP, 2L before the final norm).
+  const float* ResidualRead(int64_t read);
+  // Block AttnRes phase 1 for reads first..last, the reads that see the current bank.
+  void BuildBlockReads(int64_t first, int64_t last);
   void BeginLayer(int64_t l);
   void MoeFront(int64_t l);
   void MoeBack(int64_t l);
@@ -74,6 +78,8 @@ class ForwardPass {
 
   std::vector<float> x_;                  // residual stream, or the live partial sum with AttnRes
   std::vector<std::vector<float>> bank_;  // Block AttnRes: completed blocks (bank[0] = embedding)
+  cpu::BlockReads block_reads_;           // the bank's part of the current block's reads
+  int64_t first_read_ = 0;                // the read number of block_reads_'s read 0
   std::vector<float> read_, a_, y_, m_;   // scratch [N, d]
   std::vector<float> router_logits_, z_, moe_out_;
   std::vector<int32_t> idx_;

@@ -45,11 +45,6 @@ class Loader {
     return out_.owned.back().get();
   }
 
-  absl::StatusOr<Mat> GetMat(const std::string& name, int64_t rows, int64_t cols, bool load) {
-    K3_ASSIGN_OR_RETURN(const float* p, Get(name, {rows, cols}, load));
-    return Mat{p, rows, cols};
-  }
-
   // Every tensor in the checkpoint must be one the config implies.
   absl::Status CheckNoExtra() const {
     for (const auto& [name, t] : ckpt_.tensors())
@@ -80,115 +75,133 @@ WeightFilter WeightFilter::ExpertsOnly(std::function<bool(int64_t, int64_t)> slo
   return f;
 }
 
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c, ModelWeights* bind) {
+  namespace n = names;
+  using R = TensorRole;
+  const int64_t d = c.hidden_size, V = c.vocab_size;
+  ModelWeights unbound;  // stands in for the slots when nothing is bound; never read
+  ModelWeights& w = bind != nullptr ? *bind : unbound;
+  w.layers.assign(c.num_layers, LayerWeights{});
+  std::vector<TensorSpec> specs;
+  int64_t layer = -1, expert = -1;
+  // A tensor whose slot is a 2-D view (mat) or a plain pointer (vec); slots are null when unbound.
+  auto mat = [&](std::string name, int64_t rows, int64_t cols, Mat* slot, R role = R::kLinear) {
+    specs.push_back({std::move(name), {rows, cols}, role, layer, expert, bind ? slot : nullptr, nullptr});
+  };
+  auto vec = [&](std::string name, std::vector<int64_t> shape, const float** slot, R role) {
+    specs.push_back({std::move(name), std::move(shape), role, layer, expert, nullptr, bind ? slot : nullptr});
+  };
+
+  mat(n::kEmbed, V, d, &w.embed, R::kEmbedding);
+  if (!c.tie_word_embeddings) mat(n::kLmHead, V, d, &w.lm_head);
+  vec(n::kFinalNorm, {d}, &w.final_norm, R::kNorm);
+  if (c.attn_res_block > 0) {
+    vec(n::kOutResProj, {1, d}, &w.out_res.proj, R::kAttnResQuery);
+    vec(n::kOutResNorm, {d}, &w.out_res.norm, R::kNorm);
+  }
+
+  for (layer = 0; layer < c.num_layers; ++layer) {
+    const int64_t l = layer;
+    auto name = [l](const char* suffix) { return n::Layer(l, suffix); };
+    LayerWeights& lw = w.layers[l];
+    vec(name(n::kInputNorm), {d}, &lw.input_norm, R::kNorm);
+    vec(name(n::kPostNorm), {d}, &lw.post_norm, R::kNorm);
+    if (c.attn_res_block > 0) {
+      vec(name(n::kAttnResProj), {1, d}, &lw.attn_res.proj, R::kAttnResQuery);
+      vec(name(n::kAttnResNorm), {d}, &lw.attn_res.norm, R::kNorm);
+      vec(name(n::kMlpResProj), {1, d}, &lw.mlp_res.proj, R::kAttnResQuery);
+      vec(name(n::kMlpResNorm), {d}, &lw.mlp_res.norm, R::kNorm);
+    }
+
+    if (c.mixer[l] == Mixer::kKda) {
+      KdaWeights& k = lw.kda;
+      const int64_t H = c.kda_heads, dk = c.kda_head_dim, HD = H * dk, K = c.conv_kernel;
+      mat(name(n::kKdaQ), HD, d, &k.q);
+      mat(name(n::kKdaK), HD, d, &k.k);
+      mat(name(n::kKdaV), HD, d, &k.v);
+      vec(name(n::kKdaQConv), {HD, 1, K}, &k.q_conv, R::kConv);
+      vec(name(n::kKdaKConv), {HD, 1, K}, &k.k_conv, R::kConv);
+      vec(name(n::kKdaVConv), {HD, 1, K}, &k.v_conv, R::kConv);
+      vec(name(n::kKdaALog), {1, 1, H, 1}, &k.A_log, R::kALog);
+      vec(name(n::kKdaDtBias), {HD}, &k.dt_bias, R::kDtBias);
+      mat(name(n::kKdaFA), dk, d, &k.f_a);
+      mat(name(n::kKdaFB), HD, dk, &k.f_b);
+      if (c.kda_full_rank_gate) {
+        mat(name(n::kKdaG), HD, d, &k.g);
+      } else {
+        mat(name(n::kKdaGA), dk, d, &k.g_a);
+        mat(name(n::kKdaGB), HD, dk, &k.g_b);
+      }
+      mat(name(n::kKdaB), H, d, &k.b);
+      vec(name(n::kKdaONorm), {dk}, &k.o_norm, R::kNorm);
+      mat(name(n::kKdaO), d, HD, &k.o);
+    } else {
+      MlaWeights& m = lw.mla;
+      const int64_t nh = c.mla_heads, dqk = c.qk_nope_dim + c.qk_rope_dim;
+      if (c.q_lora_rank > 0) {
+        mat(name(n::kMlaQA), c.q_lora_rank, d, &m.q_a);
+        vec(name(n::kMlaQANorm), {c.q_lora_rank}, &m.q_a_norm, R::kNorm);
+        mat(name(n::kMlaQB), nh * dqk, c.q_lora_rank, &m.q_b);
+      } else {
+        mat(name(n::kMlaQ), nh * dqk, d, &m.q);
+      }
+      mat(name(n::kMlaKvA), c.kv_lora_rank + c.qk_rope_dim, d, &m.kv_a);
+      vec(name(n::kMlaKvANorm), {c.kv_lora_rank}, &m.kv_a_norm, R::kNorm);
+      mat(name(n::kMlaKvB), nh * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank, &m.kv_b);
+      mat(name(n::kMlaO), d, nh * c.v_head_dim, &m.o);
+      if (c.mla_output_gate) mat(name(n::kMlaG), nh * c.v_head_dim, d, &m.g);
+    }
+
+    if (c.mlp[l] == Mlp::kDense) {
+      const int64_t I = c.intermediate_size;
+      mat(name(n::kDenseGate), I, d, &lw.dense.gate);
+      mat(name(n::kDenseUp), I, d, &lw.dense.up);
+      mat(name(n::kDenseDown), d, I, &lw.dense.down);
+    } else {
+      MoeWeights& m = lw.moe;
+      const int64_t E = c.num_experts, I = c.moe_intermediate_size, X = c.expert_width();
+      mat(name(n::kRouter), E, d, &m.router);
+      vec(name(n::kRouterBias), {E}, &m.bias, R::kRouterBias);
+      if (c.num_shared_experts > 0) {
+        const int64_t Is = I * c.num_shared_experts;
+        mat(name(n::kSharedGate), Is, d, &m.shared.gate);
+        mat(name(n::kSharedUp), Is, d, &m.shared.up);
+        mat(name(n::kSharedDown), d, Is, &m.shared.down);
+      }
+      if (c.latent_dim > 0) {
+        mat(name(n::kLatentDown), X, d, &m.latent_down);
+        mat(name(n::kLatentUp), d, X, &m.latent_up);
+        if (c.latent_norm) vec(name(n::kLatentNorm), {X}, &m.latent_norm, R::kNorm);
+      }
+      m.experts.resize(E);
+      for (expert = 0; expert < E; ++expert) {
+        cpu::ExpertWeights& ew = m.experts[expert];
+        vec(n::Expert(l, expert, n::kExpertW1), {I, X}, &ew.w1, R::kLinear);
+        vec(n::Expert(l, expert, n::kExpertW2), {X, I}, &ew.w2, R::kLinear);
+        vec(n::Expert(l, expert, n::kExpertW3), {I, X}, &ew.w3, R::kLinear);
+      }
+      expert = -1;
+    }
+  }
+  return specs;
+}
+
 absl::StatusOr<std::unique_ptr<ModelWeights>> LoadWeights(const ModelConfig& c,
                                                           std::shared_ptr<const Checkpoint> checkpoint,
                                                           const WeightFilter& filter) {
   auto w = std::make_unique<ModelWeights>();
   w->checkpoint = checkpoint;
   Loader L(*checkpoint, *w);
-  const bool ne = filter.non_expert;
-  const int64_t d = c.hidden_size, V = c.vocab_size;
-  namespace n = names;
-  auto layer = [](int64_t l, const char* s) { return n::Layer(l, s); };
-
-  K3_ASSIGN_OR_RETURN(w->embed, L.GetMat(n::kEmbed, V, d, ne));
-  if (c.tie_word_embeddings) {
-    w->lm_head = w->embed;
-  } else {
-    K3_ASSIGN_OR_RETURN(w->lm_head, L.GetMat(n::kLmHead, V, d, ne));
-  }
-  K3_ASSIGN_OR_RETURN(w->final_norm, L.Get(n::kFinalNorm, {d}, ne));
-  if (c.attn_res_block > 0) {
-    K3_ASSIGN_OR_RETURN(w->out_res.proj, L.Get(n::kOutResProj, {1, d}, ne));
-    K3_ASSIGN_OR_RETURN(w->out_res.norm, L.Get(n::kOutResNorm, {d}, ne));
-  }
-
-  w->layers.resize(c.num_layers);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    LayerWeights& lw = w->layers[l];
-    K3_ASSIGN_OR_RETURN(lw.input_norm, L.Get(layer(l, n::kInputNorm), {d}, ne));
-    K3_ASSIGN_OR_RETURN(lw.post_norm, L.Get(layer(l, n::kPostNorm), {d}, ne));
-    if (c.attn_res_block > 0) {
-      K3_ASSIGN_OR_RETURN(lw.attn_res.proj, L.Get(layer(l, n::kAttnResProj), {1, d}, ne));
-      K3_ASSIGN_OR_RETURN(lw.attn_res.norm, L.Get(layer(l, n::kAttnResNorm), {d}, ne));
-      K3_ASSIGN_OR_RETURN(lw.mlp_res.proj, L.Get(layer(l, n::kMlpResProj), {1, d}, ne));
-      K3_ASSIGN_OR_RETURN(lw.mlp_res.norm, L.Get(layer(l, n::kMlpResNorm), {d}, ne));
-    }
-
-    if (c.mixer[l] == Mixer::kKda) {
-      KdaWeights& k = lw.kda;
-      const int64_t H = c.kda_heads, dk = c.kda_head_dim, HD = H * dk, K = c.conv_kernel;
-      K3_ASSIGN_OR_RETURN(k.q, L.GetMat(layer(l, n::kKdaQ), HD, d, ne));
-      K3_ASSIGN_OR_RETURN(k.k, L.GetMat(layer(l, n::kKdaK), HD, d, ne));
-      K3_ASSIGN_OR_RETURN(k.v, L.GetMat(layer(l, n::kKdaV), HD, d, ne));
-      K3_ASSIGN_OR_RETURN(k.q_conv, L.Get(layer(l, n::kKdaQConv), {HD, 1, K}, ne));
-      K3_ASSIGN_OR_RETURN(k.k_conv, L.Get(layer(l, n::kKdaKConv), {HD, 1, K}, ne));
-      K3_ASSIGN_OR_RETURN(k.v_conv, L.Get(layer(l, n::kKdaVConv), {HD, 1, K}, ne));
-      K3_ASSIGN_OR_RETURN(k.A_log, L.Get(layer(l, n::kKdaALog), {1, 1, H, 1}, ne));
-      K3_ASSIGN_OR_RETURN(k.dt_bias, L.Get(layer(l, n::kKdaDtBias), {HD}, ne));
-      K3_ASSIGN_OR_RETURN(k.f_a, L.GetMat(layer(l, n::kKdaFA), dk, d, ne));
-      K3_ASSIGN_OR_RETURN(k.f_b, L.GetMat(layer(l, n::kKdaFB), HD, dk, ne));
-      if (c.kda_full_rank_gate) {
-        K3_ASSIGN_OR_RETURN(k.g, L.GetMat(layer(l, n::kKdaG), HD, d, ne));
-      } else {
-        K3_ASSIGN_OR_RETURN(k.g_a, L.GetMat(layer(l, n::kKdaGA), dk, d, ne));
-        K3_ASSIGN_OR_RETURN(k.g_b, L.GetMat(layer(l, n::kKdaGB), HD, dk, ne));
-      }
-      K3_ASSIGN_OR_RETURN(k.b, L.GetMat(layer(l, n::kKdaB), H, d, ne));
-      K3_ASSIGN_OR_RETURN(k.o_norm, L.Get(layer(l, n::kKdaONorm), {dk}, ne));
-      K3_ASSIGN_OR_RETURN(k.o, L.GetMat(layer(l, n::kKdaO), d, HD, ne));
+  for (const TensorSpec& t : ExpectedTensors(c, w.get())) {
+    const bool load = t.expert >= 0 ? filter.expert(t.layer, t.expert) : filter.non_expert;
+    K3_ASSIGN_OR_RETURN(const float* data, L.Get(t.name, t.shape, load));
+    if (t.mat != nullptr) {
+      *t.mat = Mat{data, t.shape[0], t.shape[1]};
     } else {
-      MlaWeights& m = lw.mla;
-      const int64_t nh = c.mla_heads, dqk = c.qk_nope_dim + c.qk_rope_dim;
-      if (c.q_lora_rank > 0) {
-        K3_ASSIGN_OR_RETURN(m.q_a, L.GetMat(layer(l, n::kMlaQA), c.q_lora_rank, d, ne));
-        K3_ASSIGN_OR_RETURN(m.q_a_norm, L.Get(layer(l, n::kMlaQANorm), {c.q_lora_rank}, ne));
-        K3_ASSIGN_OR_RETURN(m.q_b, L.GetMat(layer(l, n::kMlaQB), nh * dqk, c.q_lora_rank, ne));
-      } else {
-        K3_ASSIGN_OR_RETURN(m.q, L.GetMat(layer(l, n::kMlaQ), nh * dqk, d, ne));
-      }
-      K3_ASSIGN_OR_RETURN(m.kv_a, L.GetMat(layer(l, n::kMlaKvA), c.kv_lora_rank + c.qk_rope_dim, d, ne));
-      K3_ASSIGN_OR_RETURN(m.kv_a_norm, L.Get(layer(l, n::kMlaKvANorm), {c.kv_lora_rank}, ne));
-      K3_ASSIGN_OR_RETURN(m.kv_b, L.GetMat(layer(l, n::kMlaKvB), nh * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank, ne));
-      K3_ASSIGN_OR_RETURN(m.o, L.GetMat(layer(l, n::kMlaO), d, nh * c.v_head_dim, ne));
-      if (c.mla_output_gate) {
-        K3_ASSIGN_OR_RETURN(m.g, L.GetMat(layer(l, n::kMlaG), nh * c.v_head_dim, d, ne));
-      }
-    }
-
-    if (c.mlp[l] == Mlp::kDense) {
-      const int64_t I = c.intermediate_size;
-      K3_ASSIGN_OR_RETURN(lw.dense.gate, L.GetMat(layer(l, n::kDenseGate), I, d, ne));
-      K3_ASSIGN_OR_RETURN(lw.dense.up, L.GetMat(layer(l, n::kDenseUp), I, d, ne));
-      K3_ASSIGN_OR_RETURN(lw.dense.down, L.GetMat(layer(l, n::kDenseDown), d, I, ne));
-    } else {
-      MoeWeights& m = lw.moe;
-      const int64_t E = c.num_experts, I = c.moe_intermediate_size, X = c.expert_width();
-      K3_ASSIGN_OR_RETURN(m.router, L.GetMat(layer(l, n::kRouter), E, d, ne));
-      K3_ASSIGN_OR_RETURN(m.bias, L.Get(layer(l, n::kRouterBias), {E}, ne));
-      if (c.num_shared_experts > 0) {
-        const int64_t Is = I * c.num_shared_experts;
-        K3_ASSIGN_OR_RETURN(m.shared.gate, L.GetMat(layer(l, n::kSharedGate), Is, d, ne));
-        K3_ASSIGN_OR_RETURN(m.shared.up, L.GetMat(layer(l, n::kSharedUp), Is, d, ne));
-        K3_ASSIGN_OR_RETURN(m.shared.down, L.GetMat(layer(l, n::kSharedDown), d, Is, ne));
-      }
-      if (c.latent_dim > 0) {
-        K3_ASSIGN_OR_RETURN(m.latent_down, L.GetMat(layer(l, n::kLatentDown), X, d, ne));
-        K3_ASSIGN_OR_RETURN(m.latent_up, L.GetMat(layer(l, n::kLatentUp), d, X, ne));
-        if (c.latent_norm) {
-          K3_ASSIGN_OR_RETURN(m.latent_norm, L.Get(layer(l, n::kLatentNorm), {X}, ne));
-        }
-      }
-      m.experts.resize(E);
-      for (int64_t e = 0; e < E; ++e) {
-        const bool load = filter.expert(l, e);
-        cpu::ExpertWeights& ew = m.experts[e];
-        K3_ASSIGN_OR_RETURN(ew.w1, L.Get(n::Expert(l, e, n::kExpertW1), {I, X}, load));
-        K3_ASSIGN_OR_RETURN(ew.w2, L.Get(n::Expert(l, e, n::kExpertW2), {X, I}, load));
-        K3_ASSIGN_OR_RETURN(ew.w3, L.Get(n::Expert(l, e, n::kExpertW3), {I, X}, load));
-      }
+      *t.vec = data;
     }
   }
+  if (c.tie_word_embeddings) w->lm_head = w->embed;
   K3_RETURN_IF_ERROR(L.CheckNoExtra());
   return w;
 }

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/safetensors.h"
@@ -93,6 +94,35 @@ struct ModelWeights {
   std::shared_ptr<const Checkpoint> checkpoint;
   std::vector<std::unique_ptr<float[]>> owned;
 };
+
+// What a checkpoint tensor is, so that a writer of random checkpoints (tools/mkmodel) can pick a
+// sensible initialisation for it.
+enum class TensorRole {
+  kEmbedding,      // [V, d]
+  kLinear,         // [out, in] projection
+  kNorm,           // RMSNorm weight
+  kConv,           // KDA depthwise conv [C, 1, K]
+  kALog,           // KDA A_log [1, 1, H, 1]
+  kDtBias,         // KDA dt_bias [H·dk]
+  kRouterBias,     // e_score_correction_bias [E]
+  kAttnResQuery,   // Block AttnRes pseudo-query [1, d]
+};
+
+// One tensor a config implies: hub name, shape, role, and its slot in ModelWeights when bound.
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  TensorRole role = TensorRole::kLinear;
+  int64_t layer = -1;   // -1: model level
+  int64_t expert = -1;  // routed expert index; -1: not a routed expert's tensor
+  Mat* mat = nullptr;           // 2-D views (rows, cols from shape)
+  const float** vec = nullptr;  // everything else
+};
+
+// Every tensor the config implies, in a fixed order; the loader and the checkpoint writer both use
+// this list, so they cannot disagree. With `bind`, each spec also points at its slot in *bind,
+// whose layers and experts this sizes to the config.
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config, ModelWeights* bind = nullptr);
 
 // Loads and checks every tensor the config implies: a missing, extra or mis-shaped tensor is an
 // error naming the file and the tensor.

@@ -1,8 +1,11 @@
 // k3serve-bench-engine: CPU engine throughput — prefill and decode tokens/s at several batch sizes.
-//   k3serve-bench-engine [--model DIR] [--batches 1,8,32] [--prompt 128] [--decode 32]
+//   k3serve-bench-engine [--model DIR] [--batches 1,8,32] [--prompt 128] [--decode 32] [--state-configs F,F]
+// Also reports the per-sequence state of the --state-configs models, computed from their configs.
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -17,11 +20,36 @@ ABSL_FLAG(std::string, model, "tests/data/tiny-kimi-linear", "model directory");
 ABSL_FLAG(std::string, batches, "1,8,32", "comma-separated batch sizes");
 ABSL_FLAG(int, prompt, 128, "prompt tokens per sequence");
 ABSL_FLAG(int, decode, 32, "decode steps to time");
+ABSL_FLAG(std::string, state_configs, "tools/configs/kimi-k3.json,tools/configs/kimi-linear-48b.json",
+          "comma-separated config.json files whose per-sequence state to report (empty: none)");
 
 namespace k3 {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The state one sequence holds, from the config alone: the KDA recurrent state and the conv
+// state (fp32, fixed size) and the MLA latent cache (per token; fp32 here, bf16 on the GPU path).
+int ReportStateBytes() {
+  for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_state_configs), ',', absl::SkipEmpty())) {
+    const std::string path(part);
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    const auto c = in ? ParseModelConfig(text.str(), path) : absl::NotFoundError(path + ": cannot open");
+    if (!c.ok()) {
+      std::fprintf(stderr, "error: --state-configs: %s\n", std::string(c.status().message()).c_str());
+      return 2;
+    }
+    const StateBytes sb = SequenceStateBytes(*c);
+    std::printf("state of %s (%ld layers: KDA %d, MLA %d): %.1f MiB fixed (KDA + conv, fp32) + %.1f KiB per token "
+                "(MLA latent cache, fp32; %.1f KiB in bf16); %.2f GiB in fp32 at 128K tokens\n",
+                path.c_str(), static_cast<long>(c->num_layers), c->num_kda_layers(), c->num_mla_layers(),
+                sb.fixed / 1048576.0, sb.per_token / 1024.0, sb.per_token / 2048.0,
+                (sb.fixed + 131072.0 * sb.per_token) / 1073741824.0);
+  }
+  return 0;
+}
 
 int Run() {
   auto model = Model::Load(absl::GetFlag(FLAGS_model));
@@ -73,7 +101,7 @@ int Run() {
   const StateBytes sb = SequenceStateBytes(c);
   std::printf("per-sequence state (fp32): %.3f MiB fixed (KDA + conv) + %.1f KiB per token (MLA latent cache)\n",
               sb.fixed / 1048576.0, sb.per_token / 1024.0);
-  return 0;
+  return ReportStateBytes();
 }
 
 }  // namespace

@@ -1,0 +1,256 @@
+// k3serve-mkmodel: a random checkpoint in the hub format for any Kimi-Linear or Kimi K3 config.
+//   k3serve-mkmodel --config FILE --out DIR --seed N [--dtype bf16|fp32] [--shard-bytes B]
+// The tensor list is the loader's own (ExpectedTensors), so what this writes loads. Each tensor's
+// values depend only on the seed and its name. The headers are written first (every shape is known
+// up front) and the data is generated and written in chunks, so a multi-GB model never sits in
+// memory; above --shard-bytes (4 GiB) the checkpoint is sharded with a model.safetensors.index.json.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "common/bf16.h"
+#include "common/flags.h"
+#include "common/safetensors.h"
+#include "engine/weights.h"
+
+ABSL_FLAG(std::string, config, "", "config.json to write a model for (flat, or nested under text_config)");
+ABSL_FLAG(std::string, out, "", "output model directory");
+ABSL_FLAG(uint64_t, seed, 0, "random seed");
+ABSL_FLAG(std::string, dtype, "bf16", "bf16 or fp32");
+ABSL_FLAG(uint64_t, shard_bytes, uint64_t{4} << 30, "largest file before the checkpoint is split into shards");
+
+namespace k3 {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr int64_t kChunk = int64_t{1} << 20;  // values generated and written at a time
+
+// How one tensor's values are drawn: U(lo, hi), then transformed.
+struct Init {
+  enum Kind { kUniform, kLog, kInverseSoftplusOfLogUniform } kind = kUniform;
+  float lo = 0, hi = 0;
+
+  float Apply(float u01) const {
+    const float u = lo + (hi - lo) * u01;
+    switch (kind) {
+      case kUniform:
+        return u;
+      case kLog:
+        return std::log(u);
+      case kInverseSoftplusOfLogUniform: {  // fla's dt_bias: dt log-uniform, bias = softplus⁻¹(dt)
+        const float dt = std::exp(u);
+        return dt + std::log(-std::expm1(-dt));
+      }
+    }
+    return u;
+  }
+};
+
+Init Symmetric(double std_dev) {  // U(−a, a) has standard deviation a / √3
+  const float a = static_cast<float>(std::sqrt(3.0) * std_dev);
+  return {Init::kUniform, -a, a};
+}
+
+// Scales that keep activations O(1) through depth: projections y = W x with Var(W) = 1/fan_in,
+// norms near 1, unit-variance embeddings; the KDA decay parameters as flash-linear-attention
+// initialises them (A = U(1, 16), dt log-uniform in [1e-3, 0.1]), for the bounded gate (K3) dt_bias
+// in [-2, 0] so that the decays spread over (0, 1). AttnRes pseudo-queries give logits of std 0.25
+// (the paper starts them at 0, a uniform average): a random pseudo-query is nearly orthogonal to the
+// sources, so a relative rounding error ε of a source moves its logit by up to |w|·√d·ε, and larger
+// queries would make the model ill-conditioned (logits moved by rounding alone).
+Init InitFor(const TensorSpec& t, const ModelConfig& c) {
+  switch (t.role) {
+    case TensorRole::kEmbedding:
+      return Symmetric(1.0);
+    case TensorRole::kLinear:
+      return Symmetric(1.0 / std::sqrt(static_cast<double>(t.shape.back())));
+    case TensorRole::kNorm:
+      return {Init::kUniform, 0.9f, 1.1f};
+    case TensorRole::kConv: {  // PyTorch's Conv1d default: U(±1/√fan_in), fan_in = kernel size
+      const float a = 1.0f / std::sqrt(static_cast<float>(t.shape.back()));
+      return {Init::kUniform, -a, a};
+    }
+    case TensorRole::kALog:
+      return {Init::kLog, 1.0f, 16.0f};
+    case TensorRole::kDtBias:
+      if (c.kda_gate_bounded) return {Init::kUniform, -2.0f, 0.0f};
+      return {Init::kInverseSoftplusOfLogUniform, std::log(1e-3f), std::log(0.1f)};
+    case TensorRole::kRouterBias:
+      return {Init::kUniform, -0.1f, 0.1f};
+    case TensorRole::kAttnResQuery:
+      return Symmetric(0.25 / std::sqrt(static_cast<double>(c.hidden_size)));
+  }
+  return {};
+}
+
+// splitmix64: a fast stream per tensor, seeded from the run's seed and the tensor's name.
+class Rng {
+ public:
+  Rng(uint64_t seed, const std::string& name) : s_(seed * 0x9e3779b97f4a7c15ULL) {
+    for (unsigned char ch : name) s_ = (s_ ^ ch) * 0x100000001b3ULL;  // FNV-1a over the name
+  }
+  float Uniform01() { return static_cast<float>(Next() >> 40) * 0x1.0p-24f; }
+
+ private:
+  uint64_t Next() {
+    uint64_t z = (s_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  uint64_t s_;
+};
+
+int64_t Numel(const TensorSpec& t) {
+  int64_t n = 1;
+  for (int64_t s : t.shape) n *= s;
+  return n;
+}
+
+struct Shard {
+  std::string file;
+  std::vector<const TensorSpec*> tensors;
+  uint64_t bytes = 0;
+};
+
+// Consecutive tensors up to max_bytes per file (a larger tensor gets a file of its own).
+std::vector<Shard> PlanShards(const std::vector<TensorSpec>& specs, size_t value_bytes, uint64_t max_bytes) {
+  std::vector<Shard> shards(1);
+  for (const TensorSpec& t : specs) {
+    const uint64_t b = static_cast<uint64_t>(Numel(t)) * value_bytes;
+    if (!shards.back().tensors.empty() && shards.back().bytes + b > max_bytes) shards.emplace_back();
+    shards.back().tensors.push_back(&t);
+    shards.back().bytes += b;
+  }
+  if (shards.size() == 1) {
+    shards[0].file = "model.safetensors";
+  } else {
+    for (size_t i = 0; i < shards.size(); ++i)
+      shards[i].file = absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
+  }
+  return shards;
+}
+
+absl::Status WriteShard(const Shard& shard, const fs::path& path, const ModelConfig& c, DType dtype, uint64_t seed) {
+  const size_t value_bytes = DTypeSize(dtype);
+  json header = json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  uint64_t offset = 0;
+  for (const TensorSpec* t : shard.tensors) {
+    const uint64_t b = static_cast<uint64_t>(Numel(*t)) * value_bytes;
+    header[t->name] = {{"dtype", DTypeName(dtype)}, {"shape", t->shape}, {"data_offsets", {offset, offset + b}}};
+    offset += b;
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // keep tensor data 8-byte aligned
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat(path.string(), ": cannot open for writing"));
+  const uint64_t header_len = h.size();
+  out.write(reinterpret_cast<const char*>(&header_len), 8);
+  out.write(h.data(), static_cast<std::streamsize>(h.size()));
+
+  std::vector<float> values(kChunk);
+  std::vector<uint16_t> half(kChunk);
+  for (const TensorSpec* t : shard.tensors) {
+    const Init init = InitFor(*t, c);
+    Rng rng(seed, t->name);
+    for (int64_t done = 0, n = Numel(*t); done < n;) {
+      const int64_t len = std::min(kChunk, n - done);
+      for (int64_t i = 0; i < len; ++i) values[i] = init.Apply(rng.Uniform01());
+      if (dtype == DType::kBF16) {
+        for (int64_t i = 0; i < len; ++i) half[i] = FloatToBf16(values[i]);
+        out.write(reinterpret_cast<const char*>(half.data()), static_cast<std::streamsize>(len * 2));
+      } else {
+        out.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(len * 4));
+      }
+      done += len;
+    }
+  }
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat(path.string(), ": write failed"));
+  return absl::OkStatus();
+}
+
+absl::Status Run() {
+  const std::string config_path = absl::GetFlag(FLAGS_config), out_dir = absl::GetFlag(FLAGS_out);
+  if (config_path.empty() || out_dir.empty()) return absl::InvalidArgumentError("--config and --out are required");
+  const std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  if (dtype_name != "bf16" && dtype_name != "fp32")
+    return absl::InvalidArgumentError(absl::StrCat("--dtype must be bf16 or fp32, got \"", dtype_name, "\""));
+  const DType dtype = dtype_name == "bf16" ? DType::kBF16 : DType::kF32;
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+
+  std::ifstream in(config_path);
+  if (!in) return absl::NotFoundError(absl::StrCat(config_path, ": cannot open"));
+  std::stringstream text;
+  text << in.rdbuf();
+  K3_ASSIGN_OR_RETURN(const ModelConfig c, ParseModelConfig(text.str(), config_path));
+
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat(out_dir, ": cannot create: ", ec.message()));
+  // Shards of an earlier model would be read together with the new ones.
+  for (const auto& e : fs::directory_iterator(out_dir, ec))
+    if (e.path().extension() == ".safetensors" || e.path().filename() == "model.safetensors.index.json")
+      return absl::AlreadyExistsError(absl::StrCat(out_dir, " already holds ", e.path().filename().string(),
+                                                   "; write into an empty directory"));
+  const fs::path config_out = fs::path(out_dir) / "config.json";
+  if (!fs::equivalent(config_path, config_out, ec)) {
+    fs::copy_file(config_path, config_out, fs::copy_options::overwrite_existing, ec);
+    if (ec) return absl::PermissionDeniedError(absl::StrCat(config_out.string(), ": cannot write: ", ec.message()));
+  }
+
+  const std::vector<TensorSpec> specs = ExpectedTensors(c);
+  const std::vector<Shard> shards = PlanShards(specs, DTypeSize(dtype), absl::GetFlag(FLAGS_shard_bytes));
+  int64_t params = 0;
+  uint64_t bytes = 0;
+  json weight_map = json::object();
+  for (const Shard& s : shards) {
+    K3_RETURN_IF_ERROR(WriteShard(s, fs::path(out_dir) / s.file, c, dtype, seed));
+    for (const TensorSpec* t : s.tensors) {
+      params += Numel(*t);
+      weight_map[t->name] = s.file;
+    }
+    bytes += s.bytes;
+    if (shards.size() > 1) std::printf("wrote %s (%.2f GiB)\n", s.file.c_str(), s.bytes / 1073741824.0);
+  }
+  if (shards.size() > 1) {
+    const json index = {{"metadata", {{"total_size", bytes}}}, {"weight_map", weight_map}};
+    std::ofstream idx(fs::path(out_dir) / "model.safetensors.index.json", std::ios::trunc);
+    idx << index.dump(2) << "\n";
+    idx.close();
+    if (!idx) return absl::DataLossError(absl::StrCat(out_dir, "/model.safetensors.index.json: write failed"));
+  }
+  std::printf("%s: %zu tensors, %lld parameters (%.3gB), %.3f GiB %s in %zu file(s); layers %ld (KDA %d, MLA %d), "
+              "experts %ld, seed %llu\n",
+              out_dir.c_str(), specs.size(), static_cast<long long>(params), params / 1e9, bytes / 1073741824.0,
+              dtype_name.c_str(), shards.size(),
+              static_cast<long>(c.num_layers), c.num_kda_layers(), c.num_mla_layers(),
+              static_cast<long>(c.num_experts), static_cast<unsigned long long>(seed));
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace k3
+
+int main(int argc, char** argv) {
+  k3::NormalizeFlagNames(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  if (const absl::Status s = k3::Run(); !s.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
