@@ -13,5 +13,6 @@ args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DK3SERVE_WERROR=ON)
 if [ -x "$NVCC" ]; then
   args+=(-DK3SERVE_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC")
 fi
-cmake -S . -B "$BUILD_DIR" "${args[@]}" "$@" > "$BUILD_DIR.configure.log" 2>&1 || { cat "$BUILD_DIR.configure.log"; exit 1; }
+mkdir -p "$BUILD_DIR"
+cmake -S . -B "$BUILD_DIR" "${args[@]}" "$@" > "$BUILD_DIR/configure.log" 2>&1 || { cat "$BUILD_DIR/configure.log"; exit 1; }
 ninja -C "$BUILD_DIR" -j"$JOBS"
