@@ -18,9 +18,7 @@ grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID
 
 }  // namespace
 
-InferenceService::InferenceService(const Model& model, EngineLoop& loop, InferenceOptions options,
-                                   metrics::Registry& reg)
-    : model_(model), loop_(loop), options_(std::move(options)) {
+InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg) : options_(std::move(options)) {
   const auto latency = metrics::ExponentialBuckets(1e-4, 2, 18);  // 0.1 ms .. 13 s
   m_requests_ = metrics::Must(reg.AddCounter("k3serve_requests_total", "Generate requests by final gRPC status.", {"code"}));
   m_ttft_ = &metrics::Must(reg.AddHistogram("k3serve_time_to_first_token_seconds", "From request arrival to its first token.", latency))->WithLabels();
@@ -28,6 +26,12 @@ InferenceService::InferenceService(const Model& model, EngineLoop& loop, Inferen
   m_e2e_ = &metrics::Must(reg.AddHistogram("k3serve_request_duration_seconds", "From request arrival to its end.", latency))->WithLabels();
   m_prompt_tokens_ = &metrics::Must(reg.AddCounter("k3serve_prompt_tokens_total", "Prompt tokens of admitted requests."))->WithLabels();
   m_generated_tokens_ = &metrics::Must(reg.AddCounter("k3serve_generation_tokens_total", "Generated tokens."))->WithLabels();
+}
+
+void InferenceService::Attach(const Model& model, EngineLoop& loop, int64_t max_context) {
+  max_context_ = max_context;
+  model_ = &model;
+  loop_ = &loop;
 }
 
 grpc::Status InferenceService::Finish(const grpc::Status& s) {
@@ -43,6 +47,8 @@ grpc::Status InferenceService::Finish(const grpc::Status& s) {
 grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
   const absl::Time arrival = absl::Now();
+  EngineLoop* loop = loop_.load();
+  if (loop == nullptr) return Finish({grpc::StatusCode::UNAVAILABLE, "the model is still loading"});
   if (!req->model().empty() && req->model() != options_.model_name)
     return Finish(Invalid(absl::StrCat("model: unknown model \"", req->model(), "\"; this server serves \"",
                                        options_.model_name, "\"")));
@@ -72,7 +78,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     std::lock_guard<std::mutex> lock(mu_);
     by_request_id_.erase(req->request_id());
   };
-  auto stream = loop_.Add(id, {req->prompt_ids().begin(), req->prompt_ids().end()}, p);
+  auto stream = loop->Add(id, {req->prompt_ids().begin(), req->prompt_ids().end()}, p);
   if (!stream.ok()) {
     release_name();
     return Finish(ToGrpc(stream.status()));
@@ -83,7 +89,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   int generated = 0;
   while (true) {
     if (ctx->IsCancelled()) {  // client cancel or deadline: free the sequence
-      loop_.Abort(id);
+      loop->Abort(id);
       release_name();
       return Finish({grpc::StatusCode::CANCELLED, "cancelled by the client"});
     }
@@ -111,7 +117,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
         resp.mutable_usage()->set_completion_tokens(static_cast<int32_t>(o.generated_tokens));
       }
       if (!writer->Write(resp)) {  // the client went away
-        loop_.Abort(id);
+        loop->Abort(id);
         release_name();
         return Finish({grpc::StatusCode::CANCELLED, "stream closed by the client"});
       }
@@ -133,15 +139,17 @@ grpc::Status InferenceService::Abort(grpc::ServerContext*, const v1::AbortReques
     if (it != by_request_id_.end()) id = it->second;
   }
   resp->set_found(id != 0);
-  if (id != 0) loop_.Abort(id);
+  if (EngineLoop* loop = loop_.load(); id != 0 && loop != nullptr) loop->Abort(id);
   return grpc::Status::OK;
 }
 
 grpc::Status InferenceService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*, v1::ModelInfo* resp) {
-  const ModelConfig& c = model_.config();
+  const Model* model = model_.load();
+  if (model == nullptr) return {grpc::StatusCode::UNAVAILABLE, "the model is still loading"};
+  const ModelConfig& c = model->config();
   resp->set_name(options_.model_name);
   resp->set_vocab_size(c.vocab_size);
-  resp->set_max_context(options_.max_context);
+  resp->set_max_context(max_context_);
   resp->set_max_tokens_limit(options_.max_tokens_limit);
   resp->set_num_layers(c.num_layers);
   resp->set_num_experts(c.num_experts);

@@ -20,14 +20,16 @@ namespace k3 {
 struct InferenceOptions {
   std::string model_name;
   int32_t max_tokens_limit = 4096;
-  int64_t max_context = 0;
   // Whether the experts can serve now (a complete placement, connected); else UNAVAILABLE.
   std::function<bool()> ready = [] { return true; };
 };
 
 class InferenceService final : public v1::Inference::Service {
  public:
-  InferenceService(const Model& model, EngineLoop& loop, InferenceOptions options, metrics::Registry& registry);
+  // The server starts (health NOT_SERVING) before the weights are loaded; requests get UNAVAILABLE
+  // until Attach.
+  InferenceService(InferenceOptions options, metrics::Registry& registry);
+  void Attach(const Model& model, EngineLoop& loop, int64_t max_context);
 
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
@@ -37,9 +39,10 @@ class InferenceService final : public v1::Inference::Service {
  private:
   grpc::Status Finish(const grpc::Status& s);
 
-  const Model& model_;
-  EngineLoop& loop_;
   const InferenceOptions options_;
+  std::atomic<const Model*> model_{nullptr};
+  std::atomic<EngineLoop*> loop_{nullptr};
+  int64_t max_context_ = 0;
   std::atomic<uint64_t> next_id_{1};
   std::mutex mu_;
   std::map<std::string, uint64_t> by_request_id_;  // live requests that named themselves

@@ -3,6 +3,7 @@
 //   k3serve-attention --model DIR --router HOST:PORT [--grpc-port 50051 --metrics-port 9151]
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -114,7 +115,32 @@ int main(int argc, char** argv) {
   }
 
   k3::metrics::Registry registry;
-  // Health (and the port) come up first so that orchestration sees NOT_SERVING while loading.
+  // The port and health (NOT_SERVING) come up first, so that orchestration sees the node while it
+  // loads; requests get UNAVAILABLE until the engine is attached.
+  k3::InferenceOptions iopt;
+  iopt.model_name = model_name;
+  iopt.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  std::atomic<k3::router::Dispatcher*> experts_ready{nullptr};  // set once the engine is attached
+  iopt.ready = [&experts_ready] {
+    k3::router::Dispatcher* d = experts_ready.load();
+    return d != nullptr && d->ready();
+  };
+  k3::InferenceService service(iopt, registry);
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
+  if (!grpc.ok()) return Fail("gRPC", grpc.status());
+  std::unique_ptr<k3::HttpServer> http;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
+    if (!h.ok()) return Fail("metrics", h.status());
+    http = std::move(*h);
+    http->HandleMetrics(registry);
+  }
+  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
+    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
+      std::fprintf(f, "%d %d\n", grpc->port, http ? http->port() : -1);
+      std::fclose(f);
+    }
+  }
   auto load_start = absl::Now();
   auto model = k3::Model::Load(model_dir, k3::WeightFilter::AttentionOnly());
   if (!model.ok()) return Fail("model", model.status());
@@ -180,30 +206,10 @@ int main(int argc, char** argv) {
     waiting->Set(static_cast<double>(s.waiting));
     state_bytes->Set(static_cast<double>(s.state_bytes));
   });
-  k3::InferenceOptions iopt;
-  iopt.model_name = model_name;
-  iopt.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
-  iopt.max_context = k3::Engine(**model, counted, eopt).max_context();
-  iopt.ready = [&] { return dispatcher.ready(); };
-  k3::InferenceService service(**model, loop, iopt, registry);
-
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
-  if (!grpc.ok()) return Fail("gRPC", grpc.status());
-  std::unique_ptr<k3::HttpServer> http;
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
-    if (!h.ok()) return Fail("metrics", h.status());
-    http = std::move(*h);
-    http->HandleMetrics(registry);
-  }
+  experts_ready = &dispatcher;
+  service.Attach(**model, loop, k3::Engine(**model, counted, eopt).max_context());
   std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),
                model_name.c_str(), grpc->port, http ? http->port() : -1);
-  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
-    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
-      std::fprintf(f, "%d %d\n", grpc->port, http ? http->port() : -1);
-      std::fclose(f);
-    }
-  }
   // Health follows the experts: SERVING only with a complete, connected placement.
   bool serving = false;
   while (!k3::WaitForShutdown(absl::Milliseconds(100))) {

@@ -121,7 +121,7 @@ TEST(Cluster, ExpertKilledMidStream) {
 // cancelled stream frees its sequence.
 TEST(Cluster, BadRequestsFullQueueAndCancellation) {
   ClusterOptions o = Options(1, 1);
-  o.attention_args = {"--max-running=1", "--max-waiting=1", "--max-tokens-limit=5000", "--max-context=8192"};
+  o.attention_args = {"--max-running=1", "--max-waiting=1", "--max-tokens-limit=60000", "--max-context=65536"};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const std::string addr = (*cluster)->attention_addresses()[0];
@@ -138,8 +138,8 @@ TEST(Cluster, BadRequestsFullQueueAndCancellation) {
   expect({}, Greedy(4), "", inv, "prompt_ids must not be empty");
   expect({1, 512}, Greedy(4), "", inv, "prompt_ids[1] = 512 is outside the vocabulary");
   expect({1}, Greedy(0), "", inv, "max_tokens must be > 0");
-  expect({1}, Greedy(5001), "", inv, "max_tokens = 5001 exceeds the limit 5000");
-  expect(std::vector<int32_t>(8192, 3), Greedy(1), "", inv, "context limit is 8192");
+  expect({1}, Greedy(60001), "", inv, "max_tokens = 60001 exceeds the limit 60000");
+  expect(std::vector<int32_t>(65536, 3), Greedy(1), "", inv, "context limit is 65536");
   expect({1}, Greedy(4), "no-such-model", inv, "model: unknown model \"no-such-model\"");
   SamplingParams bad = Greedy(4);
   bad.temperature = -0.5f;
@@ -151,15 +151,15 @@ TEST(Cluster, BadRequestsFullQueueAndCancellation) {
   bad.top_k = -1;
   expect({1}, bad, "", inv, "top_k");
 
-  // One running (long), one waiting; the third does not fit.
+  // One running (for a minute unless cancelled), one waiting; the third does not fit.
   grpc::ClientContext c1, c2;
-  auto req = MakeGenerateRequest({1, 5, 77}, Greedy(4000));
+  auto req = MakeGenerateRequest({1, 5, 77}, Greedy(60000));
   auto s1 = client.stub().Generate(&c1, req);
   auto s2 = client.stub().Generate(&c2, req);
   k3serve::v1::GenerateResponse resp;
   ASSERT_TRUE(s1->Read(&resp));  // running
-  for (int i = 0; i < 200 && Live(metrics) < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(Live(metrics), 2);
+  for (int i = 0; i < 1000 && Live(metrics) < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(Live(metrics), 2) << HttpGet("127.0.0.1", metrics, "/metrics").value_or("");
   expect({1}, Greedy(4), "", absl::StatusCode::kResourceExhausted, "queue full");
   // Cancelling both streams frees their sequences.
   c1.TryCancel();
@@ -167,7 +167,7 @@ TEST(Cluster, BadRequestsFullQueueAndCancellation) {
   s1->Finish();
   s2->Finish();
   double live = -1;
-  for (int i = 0; i < 300; ++i) {
+  for (int i = 0; i < 1000; ++i) {
     live = Live(metrics);
     if (live == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
