@@ -6,9 +6,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <filesystem>
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "engine/engine.h"
 #include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/golden.h"
@@ -218,6 +220,32 @@ TEST(Cluster, HealthFollowsPlacementAndRouterRestart) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(r.ok()) << r.status();
+}
+
+// A K3 model written by k3serve-mkmodel (Block AttnRes, gated MLA, Stable LatentMoE with SiTU:
+// the latent rows, not the hidden state, cross the data plane) served disaggregated gives what
+// the in-process engine gives.
+TEST(Cluster, ServesAnMkmodelK3Model) {
+  const std::string dir = ::testing::TempDir() + "/k3_cluster_tiny_k3";
+  std::filesystem::remove_all(dir);
+  const std::string mk = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + testing::SourceDir() +
+                         "/tools/configs/tiny-k3.json --out " + dir + " --seed 3 > /dev/null";
+  ASSERT_EQ(std::system(mk.c_str()), 0);
+  ClusterOptions o = Options(1, 2);
+  o.model = dir;
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto model = Model::Load(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  InferenceClient client((*cluster)->attention_addresses()[0]);
+  for (const std::vector<int32_t>& prompt : {std::vector<int32_t>{1}, {1, 5, 77, 300, 12, 9, 450, 33, 2, 101}}) {
+    auto want = GenerateGreedy(**model, prompt, 20);
+    ASSERT_TRUE(want.ok());
+    auto got = client.Generate(prompt, Greedy(20), absl::Seconds(30));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->tokens, *want);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // The Python client (Debian's python3-grpcio) gets the same tokens as the C++ one.
