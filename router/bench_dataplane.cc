@@ -1,5 +1,6 @@
-// k3serve-bench-dataplane: round-trip latency and throughput of the UCX data plane between two
-// processes on this host (the server is a forked child). Prints figures; asserts nothing.
+// k3serve-bench-dataplane [spin_us]: round-trip latency and throughput of the UCX data plane
+// between two processes on this host (the server is a forked child). Prints figures; asserts
+// nothing. spin_us sets UcxOptions::spin on both sides.
 // UCX_TLS selects the transports as usual, e.g. UCX_TLS=tcp,self for TCP loopback.
 // DESIGN §7 anchors for this machine class: UCX 0.33 µs tag latency, 9-15 GB/s at 1 MiB on shared
 // memory, TCP loopback 3.9 µs.
@@ -27,14 +28,14 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // Replies with the message itself up to 4 KiB (latency), with an 8-byte ack above (throughput).
-[[noreturn]] void RunServer(int address_pipe) {
-  auto transport = NewUcxTransport();
+[[noreturn]] void RunServer(int address_pipe, const UcxOptions& options) {
+  auto transport = NewUcxTransport(options);
   if (!transport.ok()) {
     std::fprintf(stderr, "server: %s\n", transport.status().ToString().c_str());
     std::_Exit(1);
   }
   std::atomic<Server*> server{nullptr};
-  auto listening = (*transport)->Listen("127.0.0.1:0", {.on_message = [&server](ConnectionId from, Buffer msg) {
+  auto on_message = [&server](ConnectionId from, Buffer msg) {
     Server* s = server.load();
     if (msg.size() <= 4096) {
       s->Send(from, std::move(msg), [](absl::Status) {});
@@ -43,7 +44,8 @@ namespace {
       std::memcpy(ack.data(), msg.data(), 8);
       s->Send(from, std::move(ack), [](absl::Status) {});
     }
-  }});
+  };
+  auto listening = (*transport)->Listen("127.0.0.1:0", {.on_message = on_message});
   if (!listening.ok()) {
     std::fprintf(stderr, "server: %s\n", listening.status().ToString().c_str());
     std::_Exit(1);
@@ -69,14 +71,16 @@ double CpuSeconds() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  UcxOptions options;
+  if (argc > 1) options.spin = std::chrono::microseconds(std::atoi(argv[1]));
   // Fork before any UCX state exists in this process.
   int fds[2];
   if (::pipe(fds) != 0) return 1;
   const pid_t child = ::fork();
   if (child == 0) {
     ::close(fds[0]);
-    RunServer(fds[1]);
+    RunServer(fds[1], options);
   }
   ::close(fds[1]);
   std::string address;
@@ -85,9 +89,10 @@ int main() {
   ::close(fds[0]);
 
   const char* tls = std::getenv("UCX_TLS");
-  std::printf("server %s (pid %d), UCX_TLS=%s\n", address.c_str(), child, tls ? tls : "(default)");
+  std::printf("server %s (pid %d), UCX_TLS=%s, progress spin %lld us\n", address.c_str(), child,
+              tls ? tls : "(default)", static_cast<long long>(options.spin.count()));
 
-  auto transport = NewUcxTransport();
+  auto transport = NewUcxTransport(options);
   if (!transport.ok()) {
     std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
     return 1;
@@ -132,7 +137,7 @@ int main() {
     const uint64_t base = replies.load();
     stamps.push_back(Clock::now());
     conn.Send(Buffer(size), [](absl::Status) {});
-    wait_for(base + kIters + 1);
+    wait_for(base + kIters);  // the first send plus kIters - 1 chained ones
     on_reply = nullptr;
     std::vector<double> rtt_us;
     for (size_t i = 1; i < stamps.size(); ++i)
@@ -144,7 +149,8 @@ int main() {
       round_trip(size);
       app_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
-    std::printf("  %5zu B: from callback median %7.2f us p99 %7.2f us | from app thread median %7.2f us p99 %7.2f us\n",
+    std::printf("  %5zu B: from callback median %7.2f us p99 %7.2f us | "
+                "from app thread median %7.2f us p99 %7.2f us\n",
                 size, Percentile(rtt_us, 0.5), Percentile(rtt_us, 0.99), Percentile(app_us, 0.5),
                 Percentile(app_us, 0.99));
   }

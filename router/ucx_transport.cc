@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -177,7 +178,6 @@ class UcxTransport final : public Transport {
                                                  ServerCallbacks callbacks) override;
 
   // Used by UcxConnection / UcxServer.
-  void Post(absl::AnyInvocable<void()> command);
   void SendOnEndpoint(uint64_t serial, const ListenerState* server, Buffer msg, SendDone done);
   void CloseClient(uint64_t serial);
   void CloseServer(uint64_t listener);
@@ -185,6 +185,7 @@ class UcxTransport final : public Transport {
  private:
   explicit UcxTransport(const UcxOptions& options) : options_(options) {}
 
+  void Post(absl::AnyInvocable<void()> command);
   template <class F>
   auto RunSync(F f) -> decltype(f());
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -196,8 +197,8 @@ class UcxTransport final : public Transport {
 
   absl::StatusOr<uint64_t> CreateClientEndpoint(const sockaddr_storage& addr, const std::string& address,
                                                 ClientCallbacks callbacks);
-  absl::StatusOr<const ListenerState*> CreateListener(const sockaddr_storage& addr, const std::string& address,
-                                                      ServerCallbacks callbacks);
+  absl::StatusOr<const ListenerState*> CreateListener(const sockaddr_storage& addr,
+                                                      const std::string& address, ServerCallbacks callbacks);
   Endpoint* AddEndpoint(ucp_ep_h ep);
   void CloseEndpoint(Endpoint* e);
   void EraseEndpoint(Endpoint* e);
@@ -388,6 +389,11 @@ void UcxTransport::Loop() {
     } else if (now - last_work >= options_.spin) {
       Sleep();
       last_work = std::chrono::steady_clock::now();
+    } else {
+      // Polling: let a runnable thread on this CPU (the application, woken by our last callback)
+      // go first. Without this, on a machine with fewer cores than busy threads, the scheduler
+      // keeps it waiting for the whole spin.
+      sched_yield();
     }
   }
 }
@@ -475,8 +481,8 @@ void UcxTransport::CloseEndpoint(Endpoint* e) {
   ucp_ep_h ep = e->ep;
   e->ep = nullptr;
   by_ep_.erase(ep);  // messages still arriving on it are dropped
-  // FORCE: no flush handshake with a peer that may be dead or stopped; UCX completes the sends in
-  // flight with UCS_ERR_CANCELED. It finishes after a few progress calls.
+  // FORCE: no flush handshake with a peer that may be dead or stopped. It finishes after a few
+  // progress calls; sends that UCX has not completed by then are completed here.
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -654,8 +660,8 @@ absl::StatusOr<uint64_t> UcxTransport::CreateClientEndpoint(const sockaddr_stora
                                                             ClientCallbacks callbacks) {
   Endpoint* e = AddEndpoint(nullptr);
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
   params.sockaddr.addrlen = AddressLength(addr);

@@ -210,7 +210,8 @@ TEST(UcxTransport, ManyConcurrentMessagesFromSeveralThreads) {
   auto transport = NewTransport();
   constexpr int kConnections = 2, kThreadsPerConnection = 2, kPerThread = 400;
   std::vector<std::unique_ptr<Client>> clients;
-  for (int c = 0; c < kConnections; ++c) clients.push_back(std::make_unique<Client>(*transport, server.address()));
+  for (int c = 0; c < kConnections; ++c)
+    clients.push_back(std::make_unique<Client>(*transport, server.address()));
   std::vector<std::thread> threads;
   for (int c = 0; c < kConnections; ++c) {
     for (int t = 0; t < kThreadsPerConnection; ++t) {
@@ -297,7 +298,8 @@ TEST(UcxTransport, ConnectToNobodyFails) {
 
 TEST(UcxTransport, BadAddresses) {
   auto transport = NewTransport();
-  for (const char* address : {"no-port", "127.0.0.1:", "127.0.0.1:99999", ":1234", "no.such.host.invalid:1"}) {
+  for (const char* address :
+       {"no-port", "127.0.0.1:", "127.0.0.1:99999", ":1234", "no.such.host.invalid:1"}) {
     auto c = transport->Connect(address, {});
     EXPECT_TRUE(absl::IsInvalidArgument(c.status())) << address << ": " << c.status();
   }
@@ -305,12 +307,12 @@ TEST(UcxTransport, BadAddresses) {
 }
 
 TEST(UcxTransport, ServerSendToUnknownConnection) {
+  Waiter w;  // outlives the transport, whose thread notifies it
+  absl::Status got;
+  bool done = false;
   auto transport = NewTransport();
   auto server = transport->Listen("127.0.0.1:0", {});
   ASSERT_TRUE(server.ok()) << server.status();
-  Waiter w;
-  absl::Status got;
-  bool done = false;
   (*server)->Send(12345, Buffer(8), [&](absl::Status s) { w.Update([&] { got = s, done = true; }); });
   ASSERT_TRUE(w.WaitFor(5s, [&] { return done; }));
   EXPECT_TRUE(absl::IsNotFound(got)) << got;
@@ -392,7 +394,8 @@ TEST(UcxTransport, PeerProcessRoundTripThenSigkill) {
   echo.Kill();
   ASSERT_TRUE(client.WaitFailure(10s)) << "no peer-failure callback";
   const double detect_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
-  std::printf("peer failure detected %.3f s after SIGKILL: %s\n", detect_s, client.failure().ToString().c_str());
+  std::printf("peer failure detected %.3f s after SIGKILL: %s\n", detect_s,
+              client.failure().ToString().c_str());
   EXPECT_LT(detect_s, 5.0);
   EXPECT_TRUE(absl::IsUnavailable(client.failure())) << client.failure();
   ASSERT_TRUE(client.WaitSent(4, 5s)) << "in-flight sends did not complete";

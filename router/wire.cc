@@ -269,7 +269,8 @@ absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg
   constexpr MessageType kT = MessageType::kExpertRequest;
   K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
   if (msg.size() < kHeaderSize + kRequestFixed)
-    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + kRequestFixed);
+    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(),
+                     kHeaderSize + kRequestFixed);
   Reader r(msg, kHeaderSize);
   ExpertRequest m;
   m.request_id = r.Get<uint64_t>();
@@ -366,7 +367,8 @@ absl::StatusOr<Message> Decode(std::span<const std::byte> msg, const DecodeLimit
 
 absl::Status ToFloat(RowDType dtype, std::span<const std::byte> src, std::span<float> dst) {
   if (src.size() != dst.size() * RowDTypeSize(dtype))
-    return absl::InvalidArgumentError(absl::StrFormat("ToFloat: %d bytes for %d values", src.size(), dst.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("ToFloat: %d bytes for %d values", src.size(), dst.size()));
   if (dtype == RowDType::kF32) {
     if (!dst.empty()) std::memcpy(dst.data(), src.data(), dst.size_bytes());
     return absl::OkStatus();
@@ -381,7 +383,8 @@ absl::Status ToFloat(RowDType dtype, std::span<const std::byte> src, std::span<f
 
 absl::Status FromFloat(std::span<const float> src, RowDType dtype, std::span<std::byte> dst) {
   if (dst.size() != src.size() * RowDTypeSize(dtype))
-    return absl::InvalidArgumentError(absl::StrFormat("FromFloat: %d bytes for %d values", dst.size(), src.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("FromFloat: %d bytes for %d values", dst.size(), src.size()));
   if (dtype == RowDType::kF32) {
     if (!src.empty()) std::memcpy(dst.data(), src.data(), src.size_bytes());
     return absl::OkStatus();

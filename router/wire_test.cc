@@ -335,7 +335,8 @@ TEST(WireMalformed, ExpertRangeIsTheCallers) {
 
 TEST(WireMalformed, ReplyAndError) {
   RequestFixture f(RowDType::kBF16, 2, 2);
-  auto reply = Encode(ExpertReply{.request_id = 1, .dtype = RowDType::kBF16, .width = 2, .n_rows = 2, .sums = f.rows});
+  auto reply = Encode(
+      ExpertReply{.request_id = 1, .dtype = RowDType::kBF16, .width = 2, .n_rows = 2, .sums = f.rows});
   ASSERT_TRUE(reply.ok());
   // Reply fields: request_id at 16, dtype at 24, width at 28, n_rows at 32.
   Bytes m = *reply;
