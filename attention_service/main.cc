@@ -15,6 +15,7 @@
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
+#include "common/service.h"
 #include "common/signals.h"
 #include "router/dispatcher.h"
 #include "router/load_counter.h"
@@ -97,7 +98,7 @@ class Reporter {
 int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
-  k3::InstallShutdownSignals();
+  k3::InitServiceProcess();
   if (absl::GetFlag(FLAGS_device) != "cpu")
     return Fail("--device", absl::InvalidArgumentError("only \"cpu\" is available in this build"));
   std::string node_id = absl::GetFlag(FLAGS_node_id);
@@ -128,19 +129,10 @@ int main(int argc, char** argv) {
   k3::InferenceService service(iopt, registry);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
-  std::unique_ptr<k3::HttpServer> http;
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
-    if (!h.ok()) return Fail("metrics", h.status());
-    http = std::move(*h);
-    http->HandleMetrics(registry);
-  }
-  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
-    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
-      std::fprintf(f, "%d %d\n", grpc->port, http ? http->port() : -1);
-      std::fclose(f);
-    }
-  }
+  auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
+  if (!h.ok()) return Fail("metrics", h.status());
+  std::unique_ptr<k3::HttpServer> http = std::move(*h);
+  k3::WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat(grpc->port, " ", http ? http->port() : -1));
   auto load_start = absl::Now();
   auto model = k3::Model::Load(model_dir, k3::WeightFilter::AttentionOnly());
   if (!model.ok()) return Fail("model", model.status());

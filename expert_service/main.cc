@@ -10,6 +10,7 @@
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
+#include "common/service.h"
 #include "common/signals.h"
 #include "expert_service/expert_node.h"
 #include "router/router_client.h"
@@ -41,7 +42,7 @@ std::string PortOf(const std::string& address) { return address.substr(address.r
 int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
-  k3::InstallShutdownSignals();
+  k3::InitServiceProcess();
   std::string node_id = absl::GetFlag(FLAGS_node_id);
   if (node_id.empty()) {
     char host[256] = {0};
@@ -65,13 +66,9 @@ int main(int argc, char** argv) {
     return Fail("data plane", s);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&node});
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
-  std::unique_ptr<k3::HttpServer> http;
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
-    if (!h.ok()) return Fail("metrics", h.status());
-    http = std::move(*h);
-    http->HandleMetrics(registry);
-  }
+  auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
+  if (!h.ok()) return Fail("metrics", h.status());
+  std::unique_ptr<k3::HttpServer> http = std::move(*h);
   grpc->SetServing(true);
 
   const std::string host = absl::GetFlag(FLAGS_advertise_host);
@@ -84,12 +81,7 @@ int main(int argc, char** argv) {
   auto router = std::make_unique<k3::router::RouterClient>(absl::GetFlag(FLAGS_router), self, [](const k3::v1::Placement&) {});
   std::fprintf(stderr, "k3serve-expert %s: data plane %s, gRPC %d, metrics %d\n", node_id.c_str(),
                self.ucx_address().c_str(), grpc->port, http ? http->port() : -1);
-  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
-    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
-      std::fprintf(f, "%d %d %s\n", grpc->port, http ? http->port() : -1, data_port.c_str());
-      std::fclose(f);
-    }
-  }
+  k3::WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat(grpc->port, " ", http ? http->port() : -1, " ", data_port));
   while (!k3::WaitForShutdown(absl::Seconds(1))) {
   }
   // Leave the placement first (the router re-places our experts), keep answering rows that were

@@ -9,6 +9,7 @@
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
+#include "common/service.h"
 #include "common/signals.h"
 #include "router/router_service.h"
 
@@ -21,7 +22,7 @@ ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\"
 int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
-  k3::InstallShutdownSignals();
+  k3::InitServiceProcess();
   auto config = k3::LoadModelConfig(absl::GetFlag(FLAGS_model));
   if (!config.ok()) {
     std::fprintf(stderr, "k3serve-router: %s\n", std::string(config.status().message()).c_str());
@@ -34,15 +35,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "k3serve-router: %s\n", std::string(grpc.status().message()).c_str());
     return 2;
   }
-  std::unique_ptr<k3::HttpServer> http;
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    auto h = k3::HttpServer::Start({.host = absl::GetFlag(FLAGS_host), .port = absl::GetFlag(FLAGS_metrics_port)});
-    if (!h.ok()) {
-      std::fprintf(stderr, "k3serve-router: metrics: %s\n", std::string(h.status().message()).c_str());
-      return 2;
-    }
-    http = std::move(*h);
-    http->HandleMetrics(registry);
+  auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
+  if (!h.ok()) {
+    std::fprintf(stderr, "k3serve-router: metrics: %s\n", std::string(h.status().message()).c_str());
+    return 2;
+  }
+  std::unique_ptr<k3::HttpServer> http = std::move(*h);
+  if (http) {
     // Per-expert load is too many series for Prometheus (DESIGN §4): it lives here.
     http->Handle("GET", "/admin/expert_load", [&service](const k3::HttpRequest&) {
       return k3::HttpResponse{200, "application/json", nlohmann::json(service.ExpertLoad()).dump()};
@@ -50,12 +49,7 @@ int main(int argc, char** argv) {
   }
   grpc->SetServing(true);
   std::fprintf(stderr, "k3serve-router: serving gRPC on port %d, metrics on port %d\n", grpc->port, http ? http->port() : -1);
-  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
-    if (FILE* f = std::fopen(absl::GetFlag(FLAGS_ready_file).c_str(), "w")) {
-      std::fprintf(f, "%d %d\n", grpc->port, http ? http->port() : -1);
-      std::fclose(f);
-    }
-  }
+  k3::WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat(grpc->port, " ", http ? http->port() : -1));
   while (!k3::WaitForShutdown(absl::Seconds(1))) {
   }
   std::fprintf(stderr, "k3serve-router: shutting down\n");
