@@ -12,6 +12,34 @@ namespace {
 // a ranks before b: higher score, then lower id.
 inline bool Before(float sa, int32_t a, float sb, int32_t b) { return sa > sb || (sa == sb && a < b); }
 
+// One token, as the reference scores it: s = sigmoid (double), s' = float(float(s) + bias), and the experts
+// of the kept groups in descending s' (ties: lower id first).
+void RankRef(const float* logits, const float* bias, const RouterParams& p, std::vector<double>& s,
+             std::vector<double>& sb, std::vector<int64_t>& cand) {
+  const int64_t E = p.num_experts, G = p.num_groups, per_group = E / G;
+  s.resize(E);
+  sb.resize(E);
+  for (int64_t e = 0; e < E; ++e) {
+    s[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
+    sb[e] = static_cast<float>(static_cast<float>(s[e]) + (bias ? bias[e] : 0.0f));
+  }
+  std::vector<double> gscore(G);
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<double> v(sb.begin() + g * per_group, sb.begin() + (g + 1) * per_group);
+    std::sort(v.rbegin(), v.rend());
+    gscore[g] = v[0] + (v.size() > 1 ? v[1] : 0.0);
+  }
+  std::vector<int64_t> gorder(G);
+  std::iota(gorder.begin(), gorder.end(), 0);
+  std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t a, int64_t b) { return gscore[a] > gscore[b]; });
+  std::vector<char> kept(G, 0);
+  for (int64_t i = 0; i < std::min(p.topk_groups, G); ++i) kept[gorder[i]] = 1;
+  cand.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (kept[e / per_group]) cand.push_back(e);
+  std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return sb[a] > sb[b]; });
+}
+
 }  // namespace
 
 void RouteTopK(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w) {
@@ -66,33 +94,34 @@ void RouteTopK(int64_t N, const float* logits, const float* bias, const RouterPa
 }
 
 void RouteTopKRef(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w) {
-  const int64_t E = p.num_experts, k = p.top_k, G = p.num_groups, per_group = E / G;
+  const int64_t E = p.num_experts, k = p.top_k;
+  std::vector<double> s, sb;
+  std::vector<int64_t> cand;
   for (int64_t n = 0; n < N; ++n) {
-    std::vector<double> s(E), sb(E);
-    for (int64_t e = 0; e < E; ++e) {
-      s[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[n * E + e])));
-      sb[e] = static_cast<float>(static_cast<float>(s[e]) + (bias ? bias[e] : 0.0f));
-    }
-    std::vector<double> gscore(G);
-    for (int64_t g = 0; g < G; ++g) {
-      std::vector<double> v(sb.begin() + g * per_group, sb.begin() + (g + 1) * per_group);
-      std::sort(v.rbegin(), v.rend());
-      gscore[g] = v[0] + (v.size() > 1 ? v[1] : 0.0);
-    }
-    std::vector<int64_t> gorder(G);
-    std::iota(gorder.begin(), gorder.end(), 0);
-    std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t a, int64_t b) { return gscore[a] > gscore[b]; });
-    std::vector<char> kept(G, 0);
-    for (int64_t i = 0; i < std::min(p.topk_groups, G); ++i) kept[gorder[i]] = 1;
-    std::vector<int64_t> cand;
-    for (int64_t e = 0; e < E; ++e)
-      if (kept[e / per_group]) cand.push_back(e);
-    std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return sb[a] > sb[b]; });
+    RankRef(logits + n * E, bias, p, s, sb, cand);
     double sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += s[cand[j]];
     for (int64_t j = 0; j < k; ++j) {
       idx[n * k + j] = static_cast<int32_t>(cand[j]);
       w[n * k + j] = static_cast<float>(s[cand[j]] * (p.renormalize ? 1.0 / (sum + 1e-20) : 1.0) * p.scale);
+    }
+  }
+}
+
+void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
+                 int32_t* hist) {
+  const int64_t E = p.num_experts;
+  const float scale = static_cast<float>(h.bins) / (h.rmax - h.rmin);
+  std::vector<double> s, sb;
+  std::vector<int64_t> cand;
+  for (int64_t n = 0; n < N; ++n) {
+    RankRef(logits + n * E, bias, p, s, sb, cand);
+    const float alpha = static_cast<float>(sb[cand[p.top_k]]);
+    for (int64_t e = 0; e < E; ++e) {
+      const float r = alpha - static_cast<float>(sb[e]);
+      const float pos = (r - h.rmin) * scale;
+      const int64_t b = pos < 0.0f ? 0 : (pos >= static_cast<float>(h.bins) ? h.bins - 1 : static_cast<int64_t>(pos));
+      hist[b * E + e]++;
     }
   }
 }

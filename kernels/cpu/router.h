@@ -22,4 +22,17 @@ void RouteTopK(int64_t N, const float* logits, const float* bias, const RouterPa
 // Reference: full sorts, double arithmetic.
 void RouteTopKRef(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w);
 
+// Quantile-Balancing histogram (DESIGN §1.5) over [rmin, rmax] in `bins` bins.
+struct QbHistParams {
+  int64_t bins = 0;
+  float rmin = 0.0f;
+  float rmax = 0.0f;
+};
+// With s' as RouteTopKRef computes it (float(sigmoid in double) + bias): α_n = token n's (k+1)-th largest s'
+// among the experts of its kept groups (ranked as RouteTopKRef ranks them; k + 1 must not exceed them), and
+// for every expert e, r = α_n − s'_e (fp32) adds 1 to hist[b·E + e],
+// b = clamp(floor((r − rmin) · (bins / (rmax − rmin))), 0, bins − 1), all in fp32. hist [bins, E] accumulates.
+void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
+                 int32_t* hist);
+
 }  // namespace k3::cpu

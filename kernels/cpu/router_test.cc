@@ -59,5 +59,33 @@ TEST(RouteTopK, EmptyBatch) {
   RouteTopK(0, nullptr, nullptr, p, nullptr, nullptr);
 }
 
+TEST(QbHistogram, BinsTheMarginToTheTopK) {
+  // s = 0.5 everywhere; the bias makes s' = {0.8, 0.6, 0.5, 0.3}. k = 1: α = 0.6, r = {−0.2, 0, 0.1, 0.3}.
+  RouterParams p{4, 1, 1, 1, false, 1.0f};
+  std::vector<float> logits(4, 0.0f), bias = {0.3f, 0.1f, 0.0f, -0.2f};
+  std::vector<int32_t> hist(4 * 4, 0);
+  QbHistogram(1, logits.data(), bias.data(), p, {4, -0.5f, 0.5f}, hist.data());  // bins of 0.25
+  const int32_t bin_of[4] = {1, 2, 2, 3};
+  for (int64_t e = 0; e < 4; ++e)
+    for (int64_t b = 0; b < 4; ++b) EXPECT_EQ(hist[b * 4 + e], b == bin_of[e] ? 1 : 0) << "e=" << e << " b=" << b;
+  // Outside [rmin, rmax]: the edge bins. The histogram accumulates.
+  std::vector<int32_t> edge(2 * 4, 0);
+  for (int rep = 0; rep < 2; ++rep) QbHistogram(1, logits.data(), bias.data(), p, {2, 0.0f, 0.1f}, edge.data());
+  EXPECT_EQ(edge, (std::vector<int32_t>{2, 2, 0, 0, 0, 0, 2, 2}));
+}
+
+TEST(QbHistogram, EveryExpertCountsEveryToken) {
+  RouterParams p{64, 6, 8, 3, true, 1.0f};
+  const int64_t N = 50, bins = 16;
+  auto logits = Random(N * p.num_experts, 3, 2.0f), bias = Random(p.num_experts, 4, 0.1f);
+  std::vector<int32_t> hist(bins * p.num_experts, 0);
+  QbHistogram(N, logits.data(), bias.data(), p, {bins, -1.0f, 1.0f}, hist.data());
+  for (int64_t e = 0; e < p.num_experts; ++e) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < bins; ++b) total += hist[b * p.num_experts + e];
+    EXPECT_EQ(total, N);
+  }
+}
+
 }  // namespace
 }  // namespace k3::cpu

@@ -1,0 +1,124 @@
+// MoE on the GPU (DESIGN §1.4, §1.5): the sigmoid router fused after the gate GEMM, with the
+// Quantile-Balancing histogram, and the routed experts over ragged tokens per expert.
+// References: kernels/cpu/router.h (RouteTopKRef, QbHistogram) and kernels/cpu/experts.h (MoeExperts).
+//
+// Router (router.cu): one warp per token. s = sigmoid(logit) is computed in double and rounded to fp32,
+// exactly as RouteTopKRef does, so that the top-k decisions are the reference's (ties: lower expert id).
+//
+// Experts (experts.cu): the N·k (token, expert) pairs are counting-sorted by expert into contiguous
+// slots (MoePermute), the experts run as GEMMs over their ragged slot segments, and each token gathers
+// its k weighted results in pair order (deterministic: no atomics on the output). Two GEMM paths:
+//   kTiled   our weight-streaming mma.sync kernels: gate/up with the activation fused (fp32), then down;
+//            a CTA streams 128 weight rows once for up to 64 tokens. No host synchronization.
+//   kCublas  per expert: its rows gathered, W1 and W3 as one two-problem batched cuBLAS GEMM, an
+//            activation pass, W2; the experts' chains spread over 4 side streams. cuBLAS takes the shapes
+//            on the host: the call copies the counts back and synchronizes the stream (no graph capture).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace k3::cuda {
+
+// ---------------------------------------------------------------------------------------------- router
+
+struct RouterArgs {
+  int64_t N = 0;
+  int64_t num_experts = 0;  // E ≤ 1024
+  int64_t top_k = 0;        // k ≤ 32 and ≤ the experts of the kept groups (k + 1 with qb_hist)
+  int64_t num_groups = 1;   // num_expert_group: ≤ 32, divides E
+  int64_t topk_groups = 1;  // topk_group
+  bool renormalize = false;
+  float scale = 1.0f;
+  const float* logits = nullptr;  // [N, E] fp32 (the gate GEMM's output)
+  const float* bias = nullptr;    // [E] e_score_correction_bias, or null
+  int32_t* idx = nullptr;         // [N, k], descending s'
+  float* w = nullptr;             // [N, k]
+  // Quantile-Balancing histogram (optional, DESIGN §1.5): α_n = token n's (k+1)-th largest s' among the
+  // experts of its kept groups; for every expert e, r = α_n − s'_e adds 1 to
+  // qb_hist[b·E + e], b = clamp(floor((r − qb_rmin) · (qb_bins / (qb_rmax − qb_rmin))), 0, qb_bins − 1).
+  // Accumulates: zero it before the first batch. Bit-identical to k3::cpu::QbHistogram.
+  int32_t* qb_hist = nullptr;  // [qb_bins, E]
+  int64_t qb_bins = 0;
+  float qb_rmin = 0.0f;
+  float qb_rmax = 0.0f;
+};
+
+// idx, w (and qb_hist) from the logits: s = sigmoid, s' = s + bias, groups by the sum of their top-2 s',
+// top-k of s', w = s[idx] (renormalized: w /= Σw + 1e-20) · scale.
+cudaError_t RouteTopK(const RouterArgs& a, cudaStream_t stream);
+
+// The gate GEMM: logits [N, E] fp32 = m [N, d] · W_gateᵀ ([E, d]), bf16 operands, fp32 accumulate and
+// output. Runs on the handle's stream. cuBLAS failures come back as cudaErrorUnknown.
+cudaError_t RouterLogits(cublasHandle_t blas, int64_t N, int64_t d, int64_t E, const __nv_bfloat16* m,
+                         const __nv_bfloat16* w_gate, float* logits);
+
+// --------------------------------------------------------------------------------------------- experts
+
+enum class GluAct { kSilu, kSitu };
+
+enum class MoeGemm {
+  kAuto,  // kTiled up to kMoeTiledMaxPairsPerExpert routed pairs per expert on average, else kCublas
+  kTiled,
+  kCublas,
+};
+// The crossover on the H200 at K3 shapes (56 experts, Zipf counts) lies between 32 pairs per expert
+// (kTiled 1.26 ms, kCublas 1.70 ms) and 64 (1.75 vs 1.63 ms).
+constexpr int64_t kMoeTiledMaxPairsPerExpert = 48;
+
+struct MoeExpertsArgs {
+  int64_t N = 0;            // tokens
+  int64_t D = 0;            // model (latent) width ℓ, a multiple of 8
+  int64_t I = 0;            // expert intermediate width, a multiple of 8
+  int64_t top_k = 0;        // pairs per token
+  int64_t num_experts = 0;  // E: the slots this call serves
+  const __nv_bfloat16* x = nullptr;  // [N, D]
+  const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1 = not routed here (skipped)
+  const float* w = nullptr;          // [N, k]
+  // Device arrays of E device pointers (each expert anywhere in memory), 16-byte aligned, PyTorch layout:
+  const __nv_bfloat16* const* w1 = nullptr;  // W1_e [I, D] (gate)
+  const __nv_bfloat16* const* w3 = nullptr;  // W3_e [I, D] (up)
+  const __nv_bfloat16* const* w2 = nullptr;  // W2_e [D, I] (down)
+  GluAct act = GluAct::kSilu;
+  float situ_beta = 4.0f;          // β1
+  float situ_linear_beta = 25.0f;  // β2
+  __nv_bfloat16* out = nullptr;    // [N, D] = Σ_j w[n, j] · E_idx[n, j](x[n])
+};
+
+// Scratch for MoeExperts: device buffers for up to max_pairs = N·k pairs, and, once the cuBLAS path
+// has run, its side streams and handles, pinned host counts and gathered activations. Not thread-safe.
+class MoeWorkspace {
+ public:
+  MoeWorkspace();
+  ~MoeWorkspace();
+  MoeWorkspace(const MoeWorkspace&) = delete;
+  MoeWorkspace& operator=(const MoeWorkspace&) = delete;
+  // Grows the buffers to at least these sizes (never shrinks).
+  cudaError_t Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t num_experts);
+
+  struct Buffers;
+
+ private:
+  std::unique_ptr<Buffers> b_;
+  friend cudaError_t MoeExperts(const MoeExpertsArgs&, MoeGemm, MoeWorkspace&, cudaStream_t);
+};
+
+// out[n] = Σ_j w[n, j] · W2_e · act(W1_e x[n], W3_e x[n]), e = idx[n, j] ≥ 0; bf16 in and out, fp32
+// accumulation, the activation in fp32; the intermediate h and each expert's output are rounded to bf16.
+// Reproducible run to run. kCublas synchronizes the stream (see above).
+cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, cudaStream_t stream);
+
+// Token permutation by slot: a counting sort of the num_pairs (token, expert) pairs by expert, stable
+// (pair order inside an expert, as k3::cpu::MoeExperts buckets them). Expert e owns the slots
+// [offsets[e], offsets[e + 1]); slot_pair[s] is the pair index n·k + j in slot s (the first offsets[E]
+// entries are set) and pair_slot[p] the slot of pair p, −1 where idx[p] ∉ [0, E). counts [E] is scratch
+// (it ends up holding the tokens per expert). All device arrays.
+cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts, int32_t* offsets,
+                       int32_t* slot_pair, int32_t* pair_slot, cudaStream_t stream);
+
+}  // namespace k3::cuda

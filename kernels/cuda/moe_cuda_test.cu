@@ -1,0 +1,374 @@
+// GPU MoE against the CPU references: the router (and its QB histogram) against k3::cpu::RouteTopKRef and
+// k3::cpu::QbHistogram — identical expert ids and counts —, the permutation against a CPU counting sort, and
+// the routed experts (both GEMM paths, SwiGLU and SiTU) against k3::cpu::MoeExperts on bf16-rounded inputs.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "kernels/cpu/experts.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/router.h"
+#include "kernels/cuda/moe.cuh"
+#include "tests/testing.h"
+
+namespace k3::cuda {
+namespace {
+
+using testing::Random;
+using testing::RelDiff;
+
+#define CUDA_OK(expr)                                                                         \
+  do {                                                                                        \
+    const cudaError_t e_ = (expr);                                                            \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);                    \
+  } while (0)
+
+// Built with K3SERVE_CUDA=ON but run where there is no GPU: skip rather than fail.
+#define REQUIRE_GPU()                                                                         \
+  do {                                                                                        \
+    int n_ = 0;                                                                               \
+    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
+  }
+  explicit DeviceBuffer(const std::vector<T>& h) : DeviceBuffer(h.size()) {
+    if (p_ && !h.empty()) cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  T* get() const { return p_; }
+  std::vector<T> ToHost() const {
+    std::vector<T> h(n_);
+    if (n_) cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+// bf16 bits of v, and v rounded to bf16 in place (the values the CPU reference sees).
+std::vector<uint16_t> ToBf16(std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    b[i] = FloatToBf16(v[i]);
+    v[i] = Bf16ToFloat(b[i]);
+  }
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------- router
+
+cpu::RouterParams Cpu(const RouterArgs& a) {
+  return {a.num_experts, a.top_k, a.num_groups, a.topk_groups, a.renormalize, a.scale};
+}
+
+// Routes N tokens of `logits` on the GPU (with the QB histogram when bins > 0) and checks ids, weights
+// and histogram against the CPU.
+void CheckRouter(RouterArgs a, const std::vector<float>& logits, const std::vector<float>& bias, int64_t bins = 0) {
+  const int64_t N = a.N, E = a.num_experts, k = a.top_k;
+  DeviceBuffer<float> d_logits(logits), d_bias(bias), d_w(N * k);
+  DeviceBuffer<int32_t> d_idx(N * k), d_hist(std::max<int64_t>(bins, 1) * E);
+  a.logits = d_logits.get(), a.bias = bias.empty() ? nullptr : d_bias.get(), a.idx = d_idx.get(), a.w = d_w.get();
+  const cpu::QbHistParams qb{bins, -0.5f, 1.0f};
+  if (bins > 0) {
+    CUDA_OK(cudaMemset(d_hist.get(), 0, bins * E * sizeof(int32_t)));
+    a.qb_hist = d_hist.get(), a.qb_bins = bins, a.qb_rmin = qb.rmin, a.qb_rmax = qb.rmax;
+  }
+  CUDA_OK(RouteTopK(a, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<int32_t> ridx(N * k);
+  std::vector<float> rw(N * k);
+  cpu::RouteTopKRef(N, logits.data(), bias.empty() ? nullptr : bias.data(), Cpu(a), ridx.data(), rw.data());
+  const auto idx = d_idx.ToHost();
+  const auto w = d_w.ToHost();
+  const std::string what = "E=" + std::to_string(E) + " k=" + std::to_string(k) + " G=" + std::to_string(a.num_groups);
+  EXPECT_EQ(idx, ridx) << what;
+  double max_err = 0;
+  for (size_t i = 0; i < w.size(); ++i) max_err = std::max(max_err, std::fabs(double(w[i]) - rw[i]));
+  EXPECT_LE(max_err, 1e-6 * a.scale) << what;
+  if (bins > 0) {
+    std::vector<int32_t> rhist(bins * E, 0);
+    cpu::QbHistogram(N, logits.data(), bias.empty() ? nullptr : bias.data(), Cpu(a), qb, rhist.data());
+    EXPECT_EQ(d_hist.ToHost(), rhist) << what;
+  }
+}
+
+RouterArgs Router(int64_t N, int64_t E, int64_t k, int64_t G, int64_t topk_groups, bool renormalize, float scale) {
+  RouterArgs a;
+  a.N = N, a.num_experts = E, a.top_k = k, a.num_groups = G, a.topk_groups = topk_groups;
+  a.renormalize = renormalize, a.scale = scale;
+  return a;
+}
+
+TEST(RouteTopKCuda, MatchesReference) {
+  REQUIRE_GPU();
+  const RouterArgs cases[] = {
+      Router(37, 16, 4, 1, 1, true, 2.446f),    // Kimi-Linear tiny
+      Router(300, 256, 8, 1, 1, true, 2.446f),  // Kimi-Linear 48B
+      Router(37, 64, 6, 8, 3, true, 1.0f),      // group-limited
+      Router(37, 64, 6, 8, 3, false, 2.5f),     // no renormalization
+      Router(2000, 896, 16, 1, 1, true, 1.0f),  // K3
+      Router(37, 12, 12, 4, 4, true, 1.0f),     // k == E
+      Router(37, 10, 1, 5, 2, false, 1.0f),     // group size 2
+      Router(37, 1000, 32, 1, 1, true, 1.0f),   // widest: E > 896, k = 32
+  };
+  uint64_t seed = 1;
+  for (const RouterArgs& a : cases) {
+    const auto logits = Random(a.N * a.num_experts, seed++, 2.0f), bias = Random(a.num_experts, seed++, 0.1f);
+    CheckRouter(a, logits, bias);
+    CheckRouter(a, logits, {});
+  }
+}
+
+TEST(RouteTopKCuda, TiesGoToTheLowerExpert) {
+  REQUIRE_GPU();
+  // Logits on a coarse grid and no bias: many exactly equal scores, also at the k-th place.
+  for (const RouterArgs& a : {Router(300, 896, 16, 1, 1, true, 1.0f), Router(300, 64, 6, 8, 3, true, 1.0f)}) {
+    auto logits = Random(a.N * a.num_experts, 7, 1.0f);
+    for (float& x : logits) x = std::round(x * 2.0f) / 2.0f;
+    CheckRouter(a, logits, {});
+  }
+}
+
+TEST(RouteTopKCuda, QbHistogramMatchesCpu) {
+  REQUIRE_GPU();
+  for (const RouterArgs& a : {Router(1000, 896, 16, 1, 1, true, 1.0f), Router(200, 64, 6, 8, 3, true, 1.0f),
+                              Router(100, 16, 4, 1, 1, false, 1.0f)}) {
+    const auto logits = Random(a.N * a.num_experts, 11, 2.0f), bias = Random(a.num_experts, 12, 0.1f);
+    CheckRouter(a, logits, bias, 56);
+  }
+}
+
+TEST(RouteTopKCuda, GateThenRoute) {
+  REQUIRE_GPU();
+  const int64_t N = 100, d = 256, E = 64;
+  auto m = Random(N * d, 21), wg = Random(E * d, 22, 0.1f);
+  const auto mb = ToBf16(m), wgb = ToBf16(wg);
+  DeviceBuffer<uint16_t> d_m(mb), d_wg(wgb);
+  DeviceBuffer<float> d_logits(N * E);
+  cublasHandle_t blas;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  CUDA_OK(RouterLogits(blas, N, d, E, reinterpret_cast<const __nv_bfloat16*>(d_m.get()),
+                       reinterpret_cast<const __nv_bfloat16*>(d_wg.get()), d_logits.get()));
+  CUDA_OK(cudaDeviceSynchronize());
+  cublasDestroy(blas);
+  const auto logits = d_logits.ToHost();
+  std::vector<float> ref(N * E);
+  cpu::LinearRef(N, E, d, m.data(), wg.data(), ref.data());
+  EXPECT_LT(RelDiff(logits, ref), 1e-5);
+  CheckRouter(Router(N, E, 6, 8, 3, true, 2.5f), logits, Random(E, 23, 0.1f));
+}
+
+TEST(RouteTopKCuda, RejectsBadShapes) {
+  REQUIRE_GPU();
+  DeviceBuffer<float> buf(64);
+  DeviceBuffer<int32_t> idx(64);
+  RouterArgs a = Router(1, 64, 33, 1, 1, true, 1.0f);  // k > 32
+  a.logits = buf.get(), a.idx = idx.get(), a.w = buf.get();
+  EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
+  a.top_k = 4, a.num_groups = 6;  // 6 does not divide 64
+  EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
+  a.num_groups = 8, a.topk_groups = 1, a.top_k = 8, a.qb_hist = idx.get(), a.qb_bins = 4, a.qb_rmax = 1.0f;
+  EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);  // one group of 8 has no (k+1)-th expert
+}
+
+// --------------------------------------------------------------------------------------------- experts
+
+TEST(MoePermuteCuda, StableCountingSort) {
+  REQUIRE_GPU();
+  const int64_t E = 13;
+  for (int64_t P : {0, 1, 999, 5000}) {
+    std::mt19937 rng(static_cast<uint32_t>(P));
+    std::vector<int32_t> idx(P);
+    for (auto& e : idx) e = static_cast<int32_t>(rng() % (E + 3)) - 1;  // −1 and some ids ≥ E: not routed
+    for (auto& e : idx)
+      if (e == 4) e = 5;  // expert 4 empty
+    DeviceBuffer<int32_t> d_idx(idx), counts(E), offsets(E + 1), slot_pair(std::max<int64_t>(P, 1)),
+        pair_slot(std::max<int64_t>(P, 1));
+    CUDA_OK(MoePermute(P, d_idx.get(), E, counts.get(), offsets.get(), slot_pair.get(), pair_slot.get(), nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<int32_t> ref_offsets(E + 1, 0), ref_slot_pair, ref_pair_slot(P, -1);
+    for (int64_t e = 0; e < E; ++e) {
+      ref_offsets[e] = static_cast<int32_t>(ref_slot_pair.size());
+      for (int64_t p = 0; p < P; ++p)
+        if (idx[p] == e) {
+          ref_pair_slot[p] = static_cast<int32_t>(ref_slot_pair.size());
+          ref_slot_pair.push_back(static_cast<int32_t>(p));
+        }
+    }
+    ref_offsets[E] = static_cast<int32_t>(ref_slot_pair.size());
+    EXPECT_EQ(offsets.ToHost(), ref_offsets) << "P=" << P;
+    auto sp = slot_pair.ToHost();
+    sp.resize(ref_slot_pair.size());
+    EXPECT_EQ(sp, ref_slot_pair) << "P=" << P;
+    auto ps = pair_slot.ToHost();
+    ps.resize(P);
+    EXPECT_EQ(ps, ref_pair_slot) << "P=" << P;
+  }
+}
+
+// E experts of shape (D, I), each in its own allocation; bf16-rounded fp32 copies for the CPU.
+struct Experts {
+  int64_t E, D, I;
+  std::vector<std::vector<float>> w1, w3, w2;
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> store;
+  std::unique_ptr<DeviceBuffer<const __nv_bfloat16*>> p1, p3, p2;
+
+  Experts(int64_t E_, int64_t D_, int64_t I_, uint64_t seed) : E(E_), D(D_), I(I_) {
+    std::vector<const __nv_bfloat16*> h1, h3, h2;
+    auto make = [&](std::vector<std::vector<float>>& dst, std::vector<const __nv_bfloat16*>& ptrs, int64_t n,
+                    float scale) {
+      dst.push_back(Random(n, seed++, scale));
+      store.push_back(std::make_unique<DeviceBuffer<uint16_t>>(ToBf16(dst.back())));
+      ptrs.push_back(reinterpret_cast<const __nv_bfloat16*>(store.back()->get()));
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      make(w1, h1, I * D, 1.0f / std::sqrt(float(D)));
+      make(w3, h3, I * D, 1.0f / std::sqrt(float(D)));
+      make(w2, h2, D * I, 1.0f / std::sqrt(float(I)));
+    }
+    p1 = std::make_unique<DeviceBuffer<const __nv_bfloat16*>>(h1);
+    p3 = std::make_unique<DeviceBuffer<const __nv_bfloat16*>>(h3);
+    p2 = std::make_unique<DeviceBuffer<const __nv_bfloat16*>>(h2);
+  }
+  std::vector<cpu::ExpertWeights> Cpu() const {
+    std::vector<cpu::ExpertWeights> v(E);
+    for (int64_t e = 0; e < E; ++e) v[e] = {w1[e].data(), w3[e].data(), w2[e].data()};
+    return v;
+  }
+};
+
+struct Routing {
+  int64_t N, k;
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+};
+
+// GPU out for (x, routing) with the given path and activation, as floats.
+std::vector<float> RunGpu(const Experts& ex, const std::vector<uint16_t>& xb, const Routing& r, MoeGemm gemm,
+                          GluAct act, MoeWorkspace& ws) {
+  DeviceBuffer<uint16_t> x(xb), out(r.N * ex.D);
+  DeviceBuffer<int32_t> idx(r.idx);
+  DeviceBuffer<float> w(r.w);
+  MoeExpertsArgs a;
+  a.N = r.N, a.D = ex.D, a.I = ex.I, a.top_k = r.k, a.num_experts = ex.E;
+  a.x = reinterpret_cast<const __nv_bfloat16*>(x.get()), a.idx = idx.get(), a.w = w.get();
+  a.w1 = ex.p1->get(), a.w3 = ex.p3->get(), a.w2 = ex.p2->get();
+  a.act = act, a.situ_beta = 4.0f, a.situ_linear_beta = 25.0f;
+  a.out = reinterpret_cast<__nv_bfloat16*>(out.get());
+  std::vector<float> res;
+  EXPECT_EQ(ws.Reserve(r.N * r.k, ex.D, ex.I, ex.E), cudaSuccess);
+  EXPECT_EQ(MoeExperts(a, gemm, ws, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (uint16_t v : out.ToHost()) res.push_back(Bf16ToFloat(v));
+  return res;
+}
+
+// Routings that cover the edge cases: empty experts, one token, one expert for all, unrouted pairs.
+std::vector<std::pair<std::string, Routing>> Routings(int64_t E) {
+  std::vector<std::pair<std::string, Routing>> v;
+  std::mt19937 rng(5);
+  auto weights = [&](int64_t n) {
+    std::vector<float> w(n);
+    for (auto& x : w) x = 0.1f + (rng() % 1000) / 1000.0f;
+    return w;
+  };
+  {  // random, with −1 pairs and experts 2 and E − 1 left empty
+    Routing r{37, 4, {}, {}};
+    for (int64_t i = 0; i < r.N * r.k; ++i) {
+      int32_t e = static_cast<int32_t>(rng() % (E + 1)) - 1;
+      if (e == 2 || e == E - 1) e = -1;
+      r.idx.push_back(e);
+    }
+    r.w = weights(r.N * r.k);
+    v.emplace_back("random", r);
+  }
+  v.emplace_back("one token", Routing{1, 1, {3}, weights(1)});
+  {  // 150 tokens on one expert: three 64-token tiles, one cuBLAS expert
+    Routing r{150, 1, std::vector<int32_t>(150, 1), weights(150)};
+    v.emplace_back("all on one expert", r);
+  }
+  {  // a token with no pair here, and skewed counts
+    Routing r{65, 3, {}, {}};
+    for (int64_t n = 0; n < r.N; ++n)
+      for (int64_t j = 0; j < r.k; ++j)
+        r.idx.push_back(n == 7 ? -1 : static_cast<int32_t>((n * (j + 1)) % 3 == 0 ? 0 : (n + j) % E));
+    r.w = weights(r.N * r.k);
+    v.emplace_back("skewed, unrouted token", r);
+  }
+  return v;
+}
+
+TEST(MoeExpertsCuda, MatchesCpu) {
+  REQUIRE_GPU();
+  MoeWorkspace ws;
+  for (auto [E, D, I] : {std::tuple<int64_t, int64_t, int64_t>{9, 200, 72}, {6, 512, 384}}) {
+    const Experts ex(E, D, I, 100);
+    const auto cpu_experts = ex.Cpu();
+    for (const auto& [name, r] : Routings(E)) {
+      auto x = Random(r.N * D, 40, 1.0f);
+      const auto xb = ToBf16(x);
+      for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
+        const cpu::GluParams p{act == GluAct::kSilu ? cpu::GluAct::kSilu : cpu::GluAct::kSitu, 4.0f, 25.0f};
+        std::vector<float> ref(r.N * D);
+        cpu::MoeExperts(r.N, D, I, r.k, x.data(), r.idx.data(), r.w.data(), E, cpu_experts.data(), p, ref.data());
+        for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas}) {
+          const auto out = RunGpu(ex, xb, r, gemm, act, ws);
+          EXPECT_LT(RelDiff(out, ref), 1e-2) << name << " D=" << D << " I=" << I << " situ=" << (act == GluAct::kSitu)
+                                             << " cublas=" << (gemm == MoeGemm::kCublas);
+        }
+      }
+    }
+  }
+}
+
+TEST(MoeExpertsCuda, ReproducibleAndPathsAgree) {
+  REQUIRE_GPU();
+  MoeWorkspace ws;
+  const Experts ex(8, 256, 128, 200);
+  Routing r{300, 4, {}, {}};
+  std::mt19937 rng(9);
+  for (int64_t i = 0; i < r.N * r.k; ++i) {
+    r.idx.push_back(static_cast<int32_t>(rng() % 8));
+    r.w.push_back((rng() % 1000) / 1000.0f);
+  }
+  auto x = Random(r.N * ex.D, 41);
+  const auto xb = ToBf16(x);
+  for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas}) {
+    const auto a = RunGpu(ex, xb, r, gemm, GluAct::kSitu, ws), b = RunGpu(ex, xb, r, gemm, GluAct::kSitu, ws);
+    EXPECT_EQ(a, b) << "cublas=" << (gemm == MoeGemm::kCublas);
+  }
+  EXPECT_LT(RelDiff(RunGpu(ex, xb, r, MoeGemm::kTiled, GluAct::kSitu, ws),
+                    RunGpu(ex, xb, r, MoeGemm::kCublas, GluAct::kSitu, ws)),
+            1e-2);
+}
+
+TEST(MoeExpertsCuda, EmptyBatchAndBadShapes) {
+  REQUIRE_GPU();
+  MoeWorkspace ws;
+  MoeExpertsArgs a;
+  a.N = 0, a.D = 64, a.I = 64, a.top_k = 2, a.num_experts = 4;
+  EXPECT_EQ(MoeExperts(a, MoeGemm::kAuto, ws, nullptr), cudaSuccess);  // N = 0: nothing to do
+  a.D = 60;                                                              // not a multiple of 8
+  EXPECT_EQ(MoeExperts(a, MoeGemm::kAuto, ws, nullptr), cudaErrorInvalidValue);
+  a.D = 64, a.N = 4;  // no workspace reserved
+  EXPECT_EQ(MoeExperts(a, MoeGemm::kTiled, ws, nullptr), cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace k3::cuda
