@@ -1,0 +1,234 @@
+// k3serve-bench-e2e: decode throughput of the GPU engine — a batch of sequences decoding greedily after a
+// prompt — next to the weight-streaming limit (the bytes of weights one decode step must read, over the
+// device-to-device copy bandwidth measured in the same run) and next to Hugging Face transformers on the same
+// checkpoint (the JSON that engine/cuda/anchors/hf_e2e_anchor.py writes).
+//
+//   k3serve-bench-e2e --model DIR [--batch 64] [--prompt 512] [--steps 32] [--anchor hf.json] [--json out.json]
+//   k3serve-bench-e2e --config config.json [--seed 1] ...     (random weights drawn on the device)
+// --profile adds the device time of each stage of a decode step.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "common/flags.h"
+#include "engine/cuda/cuda_model.h"
+#include "engine/config.h"
+
+ABSL_FLAG(std::string, model, "", "model directory (config.json + safetensors)");
+ABSL_FLAG(std::string, config, "", "config.json for random weights on the device (instead of --model)");
+ABSL_FLAG(uint64_t, seed, 1, "seed of the random weights (--config)");
+ABSL_FLAG(bool, profile, false, "print the device time of each stage of a decode step");
+ABSL_FLAG(int, batch, 64, "sequences decoding together");
+ABSL_FLAG(int, prompt, 512, "prompt tokens per sequence");
+ABSL_FLAG(int, warmup, 4, "decode steps before timing");
+ABSL_FLAG(int, steps, 32, "decode steps timed");
+ABSL_FLAG(int, prefill_tokens, 8192, "tokens per prefill forward");
+ABSL_FLAG(std::string, anchor, "", "JSON from hf_e2e_anchor.py (optional)");
+ABSL_FLAG(std::string, json, "", "write the results here (optional)");
+
+namespace k3 {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kProfileSteps = 4;  // decode steps profiled after the timed ones (--profile)
+
+#define CHECK_CUDA(expr)                                                                 \
+  do {                                                                                   \
+    const cudaError_t e_ = (expr);                                                       \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "error: %s: %s\n", #expr, cudaGetErrorString(e_));            \
+      return -1.0;                                                                       \
+    }                                                                                    \
+  } while (0)
+
+// Device-to-device copy of 1 GiB, bytes read + written per second (the convention of k3serve-bench-kernels).
+double CopyBandwidth() {
+  const size_t n = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, n));
+  CHECK_CUDA(cudaMalloc(&b, n));
+  cudaEvent_t t0, t1;
+  CHECK_CUDA(cudaEventCreate(&t0));
+  CHECK_CUDA(cudaEventCreate(&t1));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice));
+  const int reps = 10;
+  CHECK_CUDA(cudaEventRecord(t0));
+  for (int i = 0; i < reps; ++i) CHECK_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
+  CHECK_CUDA(cudaEventRecord(t1));
+  CHECK_CUDA(cudaEventSynchronize(t1));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * n * reps / (ms * 1e-3);
+}
+
+void Fail(const absl::Status& s) { std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str()); }
+
+int Run() {
+  const std::string config_path = absl::GetFlag(FLAGS_config);
+  const std::string dir = config_path.empty() ? absl::GetFlag(FLAGS_model) : config_path;
+  const int B = absl::GetFlag(FLAGS_batch), P = absl::GetFlag(FLAGS_prompt), W = absl::GetFlag(FLAGS_warmup),
+            S = absl::GetFlag(FLAGS_steps);
+  if (dir.empty() || B <= 0 || P <= 0 || S <= 0 || W < 0) {
+    std::fprintf(stderr, "usage: k3serve-bench-e2e --model DIR | --config FILE [--batch 64] [--prompt 512] [--steps 32]\n");
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  const double bw = CopyBandwidth();
+  if (bw <= 0) return 1;
+  std::printf("device: %s; copy bandwidth %.0f GB/s (1 GiB device-to-device, read + write)\n", prop.name, bw * 1e-9);
+
+  cuda::CudaModelOptions opt;
+  opt.max_seqs = B;
+  opt.max_context = P + W + S + kProfileSteps + 2;
+  opt.max_batch_tokens = std::max(P, absl::GetFlag(FLAGS_prefill_tokens));
+  const auto t_load = Clock::now();
+  absl::StatusOr<std::unique_ptr<cuda::CudaModel>> loaded;
+  if (config_path.empty()) {
+    loaded = cuda::CudaModel::Load(dir, opt);
+  } else {
+    std::ifstream in(config_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto config = ParseModelConfig(text.str(), config_path);
+    if (!config.ok()) return Fail(config.status()), 1;
+    loaded = cuda::CudaModel::CreateRandom(*config, absl::GetFlag(FLAGS_seed), opt);
+  }
+  if (!loaded.ok()) {
+    Fail(loaded.status());
+    return 1;
+  }
+  cuda::CudaModel& model = **loaded;
+  const ModelConfig& c = model.config();
+  std::printf("model %s: d %ld, %ld layers (KDA %d, MLA %d), %ld experts top-%ld of width %ld, vocab %ld; "
+              "%.2f GB of weights on the device (loaded in %.1f s)\n",
+              dir.c_str(), long(c.hidden_size), long(c.num_layers), c.num_kda_layers(), c.num_mla_layers(),
+              long(c.num_experts), long(c.top_k), long(c.moe_intermediate_size), long(c.vocab_size),
+              model.weight_bytes() * 1e-9, std::chrono::duration<double>(Clock::now() - t_load).count());
+
+  // Prefill: random prompts, as many sequences per forward as the token budget takes.
+  std::mt19937 rng(1);
+  std::vector<int32_t> slots(B), next(B);
+  std::vector<std::vector<int32_t>> prompts(B, std::vector<int32_t>(P));
+  for (auto& p : prompts)
+    for (auto& t : p) t = static_cast<int32_t>(rng() % c.vocab_size);
+  for (int s = 0; s < B; ++s) {
+    auto slot = model.AllocSlot();
+    if (!slot.ok()) return Fail(slot.status()), 1;
+    slots[s] = *slot;
+  }
+  const int per = std::max(1, static_cast<int>(opt.max_batch_tokens / P));
+  const auto t_prefill = Clock::now();
+  for (int s0 = 0; s0 < B; s0 += per) {
+    std::vector<cuda::GpuChunk> chunks;
+    for (int s = s0; s < std::min(B, s0 + per); ++s) chunks.push_back({slots[s], prompts[s], LogitsMode::kLast});
+    std::vector<int32_t> ids;
+    if (auto st = model.ForwardGreedy(chunks, &ids); !st.ok()) return Fail(st), 1;
+    std::copy(ids.begin(), ids.end(), next.begin() + s0);
+  }
+  const double prefill_s = std::chrono::duration<double>(Clock::now() - t_prefill).count();
+  std::printf("prefill: %d × %d tokens in %.2f s (%.0f tok/s)\n", B, P, prefill_s, B * P / prefill_s);
+
+  // Decode: every sequence one token per step, greedy.
+  auto step = [&]() -> absl::Status {
+    std::vector<cuda::GpuChunk> chunks;
+    for (int s = 0; s < B; ++s) chunks.push_back({slots[s], std::span<const int32_t>(&next[s], 1), LogitsMode::kLast});
+    std::vector<int32_t> ids;
+    K3_RETURN_IF_ERROR(model.ForwardGreedy(chunks, &ids));
+    std::copy(ids.begin(), ids.end(), next.begin());
+    return absl::OkStatus();
+  };
+  for (int i = 0; i < W; ++i)
+    if (auto st = step(); !st.ok()) return Fail(st), 1;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < S; ++i)
+    if (auto st = step(); !st.ok()) return Fail(st), 1;
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
+  const double tok_s = B / (ms * 1e-3);
+  if (absl::GetFlag(FLAGS_profile)) {
+    model.SetProfiling(true);
+    const int reps = kProfileSteps;
+    for (int i = 0; i < reps; ++i)
+      if (auto st = step(); !st.ok()) return Fail(st), 1;
+    model.SetProfiling(false);
+    std::printf("device time per decode step by stage (ms, mean of %d steps; all layers together):\n", reps);
+    double total = 0;
+    for (const auto& [name, t] : model.TakeProfile()) {
+      std::printf("  %-12s %8.3f\n", name.c_str(), t / reps);
+      total += t / reps;
+    }
+    std::printf("  %-12s %8.3f (host time per step %.3f)\n", "sum", total, ms);
+  }
+  auto bytes = model.LastForwardWeightBytes();
+  if (!bytes.ok()) return Fail(bytes.status()), 1;
+  const double limit_ms = *bytes / bw * 1e3;
+  std::printf("decode step: %.1f MB of weights to read (all but the embedding table, and the routed experts the "
+              "step hit); streaming limit %.3f ms at the copy bandwidth\n",
+              *bytes * 1e-6, limit_ms);
+
+  // The anchor: HF transformers (+ flash-linear-attention) on the same checkpoint, same shapes.
+  nlohmann::json anchor;
+  if (const std::string path = absl::GetFlag(FLAGS_anchor); !path.empty()) {
+    std::ifstream in(path);
+    anchor = nlohmann::json::parse(in, nullptr, false);
+    if (anchor.is_discarded()) std::fprintf(stderr, "warning: --anchor %s: not JSON\n", path.c_str());
+  }
+  auto hf = [&](const char* impl) -> double {
+    if (!anchor.is_object() || !anchor.contains("results") || !anchor["results"].contains(impl)) return 0;
+    return anchor["results"][impl].value("tok_s", 0.0);
+  };
+  const double hf_grouped = hf("grouped_mm"), hf_default = hf("eager");
+  std::printf("\n| decode, batch %d after %d tokens | tok/s | ms/step | ours / this |\n|---|---:|---:|---:|\n", B, P);
+  std::printf("| k3serve (this GPU engine) | %.0f | %.3f | 1.00 |\n", tok_s, ms);
+  if (hf_grouped > 0)
+    std::printf("| HF transformers, grouped_mm experts | %.0f | %.3f | %.2f |\n", hf_grouped, B / hf_grouped * 1e3,
+                tok_s / hf_grouped);
+  if (hf_default > 0)
+    std::printf("| HF transformers, default experts | %.0f | %.3f | %.2f |\n", hf_default, B / hf_default * 1e3,
+                tok_s / hf_default);
+  std::printf("| weight-streaming limit | %.0f | %.3f | %.2f |\n", B / (limit_ms * 1e-3), limit_ms, limit_ms / ms);
+  std::printf("\nfraction of the weight-streaming limit reached: %.1f%%\n", 100.0 * limit_ms / ms);
+
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    nlohmann::json out = {{"device", prop.name},
+                          {"copy_bw_gbs", bw * 1e-9},
+                          {"batch", B},
+                          {"prompt", P},
+                          {"steps", S},
+                          {"weights_on_device_bytes", model.weight_bytes()},
+                          {"decode_weight_bytes", *bytes},
+                          {"tok_s", tok_s},
+                          {"ms_step", ms},
+                          {"limit_ms", limit_ms},
+                          {"fraction_of_limit", limit_ms / ms},
+                          {"prefill_tok_s", B * P / prefill_s},
+                          {"hf_grouped_mm_tok_s", hf_grouped},
+                          {"hf_default_tok_s", hf_default}};
+    std::ofstream(path) << out.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace k3
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("k3serve-bench-e2e --model DIR [--batch 64] [--prompt 512] [--steps 32]");
+  k3::NormalizeFlagNames(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+  return k3::Run();
+}

@@ -1,0 +1,1007 @@
+#include "engine/cuda/cuda_model.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+#include <tuple>
+
+#include "common/bf16.h"
+#include "common/safetensors.h"
+#include "engine/tensor_names.h"
+#include "engine/weights.h"
+#include "kernels/cuda/attnres.cuh"
+#include "kernels/cuda/conv.cuh"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/kda.cuh"
+#include "kernels/cuda/kda_small.cuh"
+#include "kernels/cuda/linear.cuh"
+#include "kernels/cuda/mla.cuh"
+#include "kernels/cuda/moe_grouped.cuh"
+#include "kernels/cuda/norm.cuh"
+#include "kernels/cuda/sampling.cuh"
+
+namespace k3::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+#define K3_CUDA_OK(expr)                                                                          \
+  do {                                                                                            \
+    const cudaError_t k3_err_ = (expr);                                                           \
+    if (k3_err_ != cudaSuccess)                                                                   \
+      return absl::InternalError(                                                                 \
+          absl::StrCat(#expr, " (", __FILE__, ":", __LINE__, "): ", cudaGetErrorString(k3_err_))); \
+  } while (0)
+
+// The MLA LoRA norms use the reference RMSNorm's default eps, not rms_norm_eps (DESIGN §1.3).
+constexpr float kLoraNormEps = 1e-6f;
+// MLA prefill: query rows per tile of the expanded attention (bounds its score workspace).
+constexpr int64_t kMlaQueryTile = 512;
+
+struct KdaW {
+  bf16 *in = nullptr, *f_b = nullptr, *g_b = nullptr, *g = nullptr, *b = nullptr, *o = nullptr;
+  float *conv = nullptr, *A_log = nullptr, *dt_bias = nullptr, *o_norm = nullptr;
+  int64_t in_rows = 0;  // [q; k; v; f_a; g_a (low-rank gate)]
+};
+struct MlaW {
+  bf16 *in = nullptr, *q_b = nullptr, *kv_b = nullptr, *ukt = nullptr, *o = nullptr, *g = nullptr;
+  float *q_a_norm = nullptr, *kv_a_norm = nullptr;
+  int64_t in_rows = 0;  // [q or q_a; kv_a]
+};
+struct GluW {
+  bf16 *gate_up = nullptr, *down = nullptr;  // [2I, d] (gate rows, then up rows), [d, I]
+  int64_t I = 0;
+};
+struct MoeW {
+  bf16* router = nullptr;
+  float* bias = nullptr;
+  GluW shared;
+  bf16 *latent_down = nullptr, *latent_up = nullptr;
+  float* latent_norm = nullptr;
+  ExpertStack experts;
+};
+struct LayerW {
+  float *input_norm = nullptr, *post_norm = nullptr;
+  float *attn_res_w = nullptr, *attn_res_n = nullptr, *mlp_res_w = nullptr, *mlp_res_n = nullptr;
+  KdaW kda;
+  MlaW mla;
+  GluW dense;
+  MoeW moe;
+};
+
+LinearAct Act(const ModelConfig& c) { return c.act == Activation::kSitu ? LinearAct::kSitu : LinearAct::kSilu; }
+
+}  // namespace
+
+// The routed experts of every MoE layer in this process: GroupedExperts over the stacked expert weights.
+class LocalCudaExperts : public CudaExpertExecutor {
+ public:
+  absl::Status Run(const CudaExpertRequest& r, float* out, cudaStream_t stream) override {
+    const ExpertStack& e = (*layers)[r.layer].moe.experts;
+    if (r.width != e.D || r.top_k != config->top_k)
+      return absl::InvalidArgumentError(absl::StrCat("expert request shape (width ", r.width, ", k ", r.top_k,
+                                                     ") does not match layer ", r.layer));
+    K3_CUDA_OK(GroupedExperts(r.rows, r.top_k, r.x, r.idx, r.w, e, Act(*config), config->situ_beta,
+                              config->situ_linear_beta, out, hits + r.layer, workspace, stream));
+    return absl::OkStatus();
+  }
+
+  const ModelConfig* config = nullptr;
+  const std::vector<LayerW>* layers = nullptr;
+  void* workspace = nullptr;  // GroupedExpertsWorkspaceBytes for max_batch_tokens rows
+  int32_t* hits = nullptr;    // [layers] device: experts hit by the last request of each layer
+};
+
+struct CudaModel::Impl {
+  ModelConfig c;
+  CudaModelOptions opt;
+  cudaStream_t stream = nullptr;
+  std::vector<void*> allocations;
+  int64_t allocated = 0;
+  // Weights: all but the routed experts; the embedding table; one routed expert.
+  int64_t weight_bytes = 0, embed_bytes = 0, expert_bytes = 0;
+
+  // Weights.
+  bf16 *embed = nullptr, *lm_head = nullptr;
+  float *final_norm = nullptr, *out_res_w = nullptr, *out_res_n = nullptr;
+  std::vector<LayerW> layers;
+
+  // State pools, by layer.
+  std::vector<float*> kda_state, conv_state;
+  std::vector<bf16*> mla_cache;
+  std::vector<int64_t> positions;
+  std::vector<bool> in_use;
+
+  // Work buffers for cap = max_batch_tokens rows.
+  int64_t cap = 0, win_cols = 0, wide_cols = 0, hidden_cols = 0;
+  float *x = nullptr, *hread = nullptr, *bank = nullptr;
+  Split a, m, win, onorm, hid, z, zn, qbuf, qan, fn;
+  float *gate = nullptr, *rlogits = nullptr, *wts = nullptr, *moe_out = nullptr;
+  void *graw = nullptr, *bbuf = nullptr, *qc = nullptr, *kc = nullptr, *vc = nullptr, *obuf = nullptr;
+  int32_t *idx = nullptr, *ids = nullptr, *hits = nullptr;
+  void* mla_decode_ws = nullptr;
+  // Grown on demand.
+  void* scratch = nullptr;  // KDA prefill and MLA prefill workspaces (used one at a time)
+  size_t scratch_bytes = 0;
+  float* logits = nullptr;
+  int64_t logits_rows = 0;
+
+  // Per-forward metadata: pinned host staging, one upload.
+  int32_t* meta_host = nullptr;
+  int32_t* meta = nullptr;
+  int64_t meta_cap = 0;
+
+  LocalCudaExperts local_experts;
+  CudaExpertExecutor* experts = nullptr;
+
+  // Profiling: events around stages, harvested after each forward.
+  bool profile = false;
+  std::vector<std::tuple<const char*, cudaEvent_t, cudaEvent_t>> marks;
+  std::map<std::string, double> profile_ms;
+  cudaEvent_t Mark() {
+    cudaEvent_t e = nullptr;
+    cudaEventCreate(&e);
+    cudaEventRecord(e, stream);
+    return e;
+  }
+  void Harvest() {
+    for (auto& [name, begin, end] : marks) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, begin, end);
+      profile_ms[name] += ms;
+      cudaEventDestroy(begin);
+      cudaEventDestroy(end);
+    }
+    marks.clear();
+  }
+
+  ~Impl() {
+    if (stream) cudaStreamDestroy(stream);
+    for (void* p : allocations) cudaFree(p);
+    cudaFreeHost(meta_host);
+  }
+
+  template <class T>
+  absl::StatusOr<T*> Alloc(int64_t count) {
+    void* p = nullptr;
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T);
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess)
+      return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes: ", cudaGetErrorString(e)));
+    allocations.push_back(p);
+    allocated += static_cast<int64_t>(bytes);
+    return static_cast<T*>(p);
+  }
+  // A split buffer of rows × cols: two planes.
+  absl::StatusOr<Split> AllocSplit(int64_t rows, int64_t cols) {
+    K3_ASSIGN_OR_RETURN(bf16 * p, Alloc<bf16>(2 * rows * cols));
+    return Split{p, cols, rows * cols};
+  }
+  absl::Status Grow(void** p, size_t* have, size_t need) {
+    if (need <= *have) return absl::OkStatus();
+    K3_CUDA_OK(cudaStreamSynchronize(stream));
+    if (*p) {
+      allocations.erase(std::find(allocations.begin(), allocations.end(), *p));
+      K3_CUDA_OK(cudaFree(*p));
+      *p = nullptr;
+    }
+    K3_ASSIGN_OR_RETURN(char* q, Alloc<char>(static_cast<int64_t>(need)));
+    *p = q;
+    *have = need;
+    return absl::OkStatus();
+  }
+
+  absl::Status Upload(TensorSource& source);
+  absl::Status AllocState();
+  absl::Status AllocWork();
+  absl::Status Run(std::span<const GpuChunk> chunks, int64_t* rows);
+  absl::Status Kda(int64_t l, int64_t N, int64_t nd, int64_t num_chunks, const std::vector<int32_t>& cu_host,
+                   const int32_t* const* m);
+  absl::Status Mla(int64_t l, int64_t N, int64_t nd, const std::vector<int64_t>& pre_start,
+                   const std::vector<int64_t>& pre_len, const std::vector<int64_t>& pre_pos,
+                   const std::vector<int32_t>& pre_slot, const int32_t* const* m);
+  absl::Status Moe(int64_t l, int64_t N);
+  absl::Status Glu(const GluW& g, Split in, int64_t N);
+
+  cudaError_t Lin(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
+                  int64_t y_lo = 0) {
+    LinearArgs la;
+    la.N = n, la.K = k, la.w = w, la.x = in, la.y = y, la.ldy = ldy, la.y_lo = y_lo, la.out = out, la.M = M;
+    return Linear(la, stream);
+  }
+  cudaError_t LinSplit(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, Split y) {
+    return Lin(w, n, k, in, M, y.p, y.ld, LinearOut::kSplit, y.lo);
+  }
+};
+
+namespace {
+// One profiled stage: events around it while profiling is on.
+struct Phase {
+  Phase(CudaModel::Impl& m, const char* name) : m(m), name(name) {
+    if (m.profile) begin = m.Mark();
+  }
+  ~Phase() {
+    if (begin) m.marks.emplace_back(name, begin, m.Mark());
+  }
+  CudaModel::Impl& m;
+  const char* name;
+  cudaEvent_t begin = nullptr;
+};
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------- upload
+
+// Where the weights come from: a checkpoint, or random values (benchmarks of shapes without a checkpoint).
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  // The tensor as bf16 / fp32 at dst (numel elements).
+  virtual absl::Status Bf16(const std::string& name, __nv_bfloat16* dst) = 0;
+  virtual absl::Status F32(const std::string& name, float* dst) = 0;
+};
+
+namespace {
+
+// Checkpoint tensors → device, converting to the device dtype.
+class CheckpointSource : public TensorSource {
+ public:
+  explicit CheckpointSource(const Checkpoint& ck) : ck_(ck) {}
+
+  absl::Status Bf16(const std::string& name, bf16* dst) override {
+    K3_ASSIGN_OR_RETURN(const TensorInfo* t, Find(name));
+    const int64_t n = t->numel();
+    if (t->dtype == DType::kBF16) {
+      K3_CUDA_OK(cudaMemcpy(dst, t->data, n * 2, cudaMemcpyHostToDevice));
+      return absl::OkStatus();
+    }
+    std::vector<uint16_t> h(n);
+    for (int64_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, t->data + 4 * i, 4);
+      h[i] = FloatToBf16(f);
+    }
+    K3_CUDA_OK(cudaMemcpy(dst, h.data(), n * 2, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  }
+
+  absl::Status F32(const std::string& name, float* dst) override {
+    K3_ASSIGN_OR_RETURN(const TensorInfo* t, Find(name));
+    const int64_t n = t->numel();
+    std::vector<float> h(n);
+    for (int64_t i = 0; i < n; ++i) {
+      if (t->dtype == DType::kF32) {
+        std::memcpy(&h[i], t->data + 4 * i, 4);
+      } else {
+        uint16_t b;
+        std::memcpy(&b, t->data + 2 * i, 2);
+        h[i] = Bf16ToFloat(b);
+      }
+    }
+    K3_CUDA_OK(cudaMemcpy(dst, h.data(), n * 4, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<const TensorInfo*> Find(const std::string& name) {
+    const TensorInfo* t = ck_.Find(name);
+    if (t == nullptr) return absl::NotFoundError(absl::StrCat(ck_.dir(), ": missing tensor \"", name, "\""));
+    return t;
+  }
+  const Checkpoint& ck_;
+};
+
+// Random weights drawn on the device by tensor role, as k3serve-mkmodel draws them (projections with variance
+// 1/fan_in, norm weights near 1, A_log / dt_bias in the trained range, a small router bias).
+class RandomSource : public TensorSource {
+ public:
+  RandomSource(const ModelConfig& c, uint64_t seed) : c_(c), seed_(seed) {
+    for (TensorSpec& t : ExpectedTensors(c)) specs_.emplace(t.name, std::move(t));
+  }
+  absl::Status Bf16(const std::string& name, bf16* dst) override { return Fill(name, nullptr, dst); }
+  absl::Status F32(const std::string& name, float* dst) override { return Fill(name, dst, nullptr); }
+
+ private:
+  absl::Status Fill(const std::string& name, float* f32, bf16* b16) {
+    const auto it = specs_.find(name);
+    if (it == specs_.end()) return absl::NotFoundError(absl::StrCat("no tensor \"", name, "\" in this config"));
+    const TensorSpec& t = it->second;
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    const float fan_in = static_cast<float>(t.shape.back());
+    RandomKind kind = RandomKind::kNormal;
+    float a = 0.0f, b = 1.0f;
+    switch (t.role) {
+      case TensorRole::kEmbedding: break;
+      case TensorRole::kLinear: b = 1.0f / std::sqrt(fan_in); break;
+      case TensorRole::kNorm: kind = RandomKind::kUniform, a = 0.9f, b = 1.1f; break;
+      case TensorRole::kConv: kind = RandomKind::kUniform, b = 1.0f / std::sqrt(fan_in), a = -b; break;
+      case TensorRole::kALog: kind = RandomKind::kLogU, a = 1.0f, b = 16.0f; break;
+      case TensorRole::kDtBias:
+        if (c_.kda_gate_bounded) {
+          kind = RandomKind::kUniform, a = -2.0f, b = 0.0f;
+        } else {
+          kind = RandomKind::kDtBias, a = std::log(1e-3f), b = std::log(0.1f);
+        }
+        break;
+      case TensorRole::kRouterBias: kind = RandomKind::kUniform, a = -0.1f, b = 0.1f; break;
+      case TensorRole::kAttnResQuery: b = 0.25f / std::sqrt(fan_in); break;
+    }
+    K3_CUDA_OK(FillRandom(n, kind, a, b, seed_ ^ std::hash<std::string>{}(name), f32, b16, nullptr));
+    return absl::OkStatus();
+  }
+  const ModelConfig& c_;
+  uint64_t seed_;
+  std::map<std::string, TensorSpec> specs_;
+};
+
+}  // namespace
+
+absl::Status CudaModel::Impl::Upload(TensorSource& up) {
+  namespace n = names;
+  const int64_t d = c.hidden_size, V = c.vocab_size, L = c.num_layers;
+  const int64_t start = allocated;
+  auto bf = [&](int64_t count) { return Alloc<bf16>(count); };
+  auto f32 = [&](int64_t count) { return Alloc<float>(count); };
+  auto layer = [](int64_t l, const char* s) { return n::Layer(l, s); };
+
+  K3_ASSIGN_OR_RETURN(embed, bf(V * d));
+  K3_RETURN_IF_ERROR(up.Bf16(n::kEmbed, embed));
+  embed_bytes = V * d * 2;
+  if (c.tie_word_embeddings) {
+    lm_head = embed;
+    embed_bytes = 0;  // read whole by the LM head
+  } else {
+    K3_ASSIGN_OR_RETURN(lm_head, bf(V * d));
+    K3_RETURN_IF_ERROR(up.Bf16(n::kLmHead, lm_head));
+  }
+  K3_ASSIGN_OR_RETURN(final_norm, f32(d));
+  K3_RETURN_IF_ERROR(up.F32(n::kFinalNorm, final_norm));
+  if (c.attn_res_block > 0) {
+    K3_ASSIGN_OR_RETURN(out_res_w, f32(d));
+    K3_ASSIGN_OR_RETURN(out_res_n, f32(d));
+    K3_RETURN_IF_ERROR(up.F32(n::kOutResProj, out_res_w));
+    K3_RETURN_IF_ERROR(up.F32(n::kOutResNorm, out_res_n));
+  }
+
+  layers.assign(L, LayerW{});
+  for (int64_t l = 0; l < L; ++l) {
+    LayerW& w = layers[l];
+    K3_ASSIGN_OR_RETURN(w.input_norm, f32(d));
+    K3_ASSIGN_OR_RETURN(w.post_norm, f32(d));
+    K3_RETURN_IF_ERROR(up.F32(layer(l, n::kInputNorm), w.input_norm));
+    K3_RETURN_IF_ERROR(up.F32(layer(l, n::kPostNorm), w.post_norm));
+    if (c.attn_res_block > 0) {
+      for (auto [dst, name] : {std::pair{&w.attn_res_w, n::kAttnResProj}, std::pair{&w.attn_res_n, n::kAttnResNorm},
+                               std::pair{&w.mlp_res_w, n::kMlpResProj}, std::pair{&w.mlp_res_n, n::kMlpResNorm}}) {
+        K3_ASSIGN_OR_RETURN(*dst, f32(d));
+        K3_RETURN_IF_ERROR(up.F32(layer(l, name), *dst));
+      }
+    }
+
+    if (c.mixer[l] == Mixer::kKda) {
+      KdaW& k = w.kda;
+      const int64_t H = c.kda_heads, D = c.kda_head_dim, HD = H * D, K = c.conv_kernel;
+      k.in_rows = 3 * HD + D + (c.kda_full_rank_gate ? 0 : D);
+      K3_ASSIGN_OR_RETURN(k.in, bf(k.in_rows * d));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaQ), k.in));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaK), k.in + HD * d));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaV), k.in + 2 * HD * d));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaFA), k.in + 3 * HD * d));
+      K3_ASSIGN_OR_RETURN(k.f_b, bf(HD * D));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaFB), k.f_b));
+      if (c.kda_full_rank_gate) {
+        K3_ASSIGN_OR_RETURN(k.g, bf(HD * d));
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaG), k.g));
+      } else {
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaGA), k.in + (3 * HD + D) * d));
+        K3_ASSIGN_OR_RETURN(k.g_b, bf(HD * D));
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaGB), k.g_b));
+      }
+      K3_ASSIGN_OR_RETURN(k.b, bf(H * d));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaB), k.b));
+      K3_ASSIGN_OR_RETURN(k.o, bf(d * HD));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaO), k.o));
+      K3_ASSIGN_OR_RETURN(k.conv, f32(3 * HD * K));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kKdaQConv), k.conv));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kKdaKConv), k.conv + HD * K));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kKdaVConv), k.conv + 2 * HD * K));
+      K3_ASSIGN_OR_RETURN(k.A_log, f32(H));
+      K3_ASSIGN_OR_RETURN(k.dt_bias, f32(HD));
+      K3_ASSIGN_OR_RETURN(k.o_norm, f32(D));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kKdaALog), k.A_log));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kKdaDtBias), k.dt_bias));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kKdaONorm), k.o_norm));
+    } else {
+      MlaW& a = w.mla;
+      const MlaDims s{c.mla_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim, c.kv_lora_rank};
+      const int64_t q_rows = c.q_lora_rank > 0 ? c.q_lora_rank : s.nh * s.dqk();
+      a.in_rows = q_rows + s.cw();
+      K3_ASSIGN_OR_RETURN(a.in, bf(a.in_rows * d));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, c.q_lora_rank > 0 ? n::kMlaQA : n::kMlaQ), a.in));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kMlaKvA), a.in + q_rows * d));
+      if (c.q_lora_rank > 0) {
+        K3_ASSIGN_OR_RETURN(a.q_b, bf(s.nh * s.dqk() * c.q_lora_rank));
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kMlaQB), a.q_b));
+        K3_ASSIGN_OR_RETURN(a.q_a_norm, f32(c.q_lora_rank));
+        K3_RETURN_IF_ERROR(up.F32(layer(l, n::kMlaQANorm), a.q_a_norm));
+      }
+      K3_ASSIGN_OR_RETURN(a.kv_a_norm, f32(s.r));
+      K3_RETURN_IF_ERROR(up.F32(layer(l, n::kMlaKvANorm), a.kv_a_norm));
+      K3_ASSIGN_OR_RETURN(a.kv_b, bf(s.nh * s.dkv() * s.r));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kMlaKvB), a.kv_b));
+      K3_ASSIGN_OR_RETURN(a.ukt, bf(s.nh * s.r * s.dn));
+      K3_CUDA_OK(MlaTransposeUk(s, a.kv_b, a.ukt, nullptr));
+      K3_ASSIGN_OR_RETURN(a.o, bf(d * s.nh * s.dv));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kMlaO), a.o));
+      if (c.mla_output_gate) {
+        K3_ASSIGN_OR_RETURN(a.g, bf(s.nh * s.dv * d));
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kMlaG), a.g));
+      }
+    }
+
+    auto glu = [&](GluW& g, int64_t I, const std::string& gate, const std::string& upn,
+                   const std::string& down) -> absl::Status {
+      g.I = I;
+      K3_ASSIGN_OR_RETURN(g.gate_up, bf(2 * I * d));
+      K3_ASSIGN_OR_RETURN(g.down, bf(d * I));
+      K3_RETURN_IF_ERROR(up.Bf16(gate, g.gate_up));
+      K3_RETURN_IF_ERROR(up.Bf16(upn, g.gate_up + I * d));
+      K3_RETURN_IF_ERROR(up.Bf16(down, g.down));
+      return absl::OkStatus();
+    };
+    if (c.mlp[l] == Mlp::kDense) {
+      K3_RETURN_IF_ERROR(glu(w.dense, c.intermediate_size, layer(l, n::kDenseGate), layer(l, n::kDenseUp),
+                             layer(l, n::kDenseDown)));
+      continue;
+    }
+    MoeW& e = w.moe;
+    const int64_t E = c.num_experts, I = c.moe_intermediate_size, X = c.expert_width();
+    K3_ASSIGN_OR_RETURN(e.router, bf(E * d));
+    K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kRouter), e.router));
+    K3_ASSIGN_OR_RETURN(e.bias, f32(E));
+    K3_RETURN_IF_ERROR(up.F32(layer(l, n::kRouterBias), e.bias));
+    if (c.num_shared_experts > 0)
+      K3_RETURN_IF_ERROR(glu(e.shared, I * c.num_shared_experts, layer(l, n::kSharedGate), layer(l, n::kSharedUp),
+                             layer(l, n::kSharedDown)));
+    if (c.latent_dim > 0) {
+      K3_ASSIGN_OR_RETURN(e.latent_down, bf(X * d));
+      K3_ASSIGN_OR_RETURN(e.latent_up, bf(d * X));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kLatentDown), e.latent_down));
+      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kLatentUp), e.latent_up));
+      if (c.latent_norm) {
+        K3_ASSIGN_OR_RETURN(e.latent_norm, f32(X));
+        K3_RETURN_IF_ERROR(up.F32(layer(l, n::kLatentNorm), e.latent_norm));
+      }
+    }
+    K3_ASSIGN_OR_RETURN(bf16 * w13, bf(E * 2 * I * X));
+    K3_ASSIGN_OR_RETURN(bf16 * w2, bf(E * X * I));
+    for (int64_t x = 0; x < E; ++x) {
+      K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW1), w13 + x * 2 * I * X));
+      K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW3), w13 + x * 2 * I * X + I * X));
+      K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW2), w2 + x * X * I));
+    }
+    e.experts = ExpertStack{w13, w2, E, X, I};
+    expert_bytes = 3 * I * X * 2;
+  }
+  int64_t routed = 0;
+  for (int64_t l = 0; l < L; ++l)
+    if (c.mlp[l] == Mlp::kMoe) routed += c.num_experts * expert_bytes;
+  weight_bytes = allocated - start - routed;  // everything but the routed experts
+  K3_CUDA_OK(cudaDeviceSynchronize());
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::AllocState() {
+  const int64_t S = opt.max_seqs, L = c.num_layers;
+  kda_state.assign(L, nullptr);
+  conv_state.assign(L, nullptr);
+  mla_cache.assign(L, nullptr);
+  for (int64_t l = 0; l < L; ++l) {
+    if (c.mixer[l] == Mixer::kKda) {
+      const int64_t H = c.kda_heads, D = c.kda_head_dim;
+      K3_ASSIGN_OR_RETURN(kda_state[l], Alloc<float>(S * H * D * D));
+      K3_ASSIGN_OR_RETURN(conv_state[l], Alloc<float>(S * (c.conv_kernel - 1) * c.kda_conv_channels()));
+    } else {
+      K3_ASSIGN_OR_RETURN(mla_cache[l], Alloc<bf16>(S * opt.max_context * c.mla_cache_width()));
+    }
+  }
+  positions.assign(S, 0);
+  in_use.assign(S, false);
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::AllocWork() {
+  const int64_t d = c.hidden_size, N = cap = opt.max_batch_tokens, L = c.num_layers;
+  const int64_t HD = c.kda_heads * c.kda_head_dim, ov = c.mla_heads * c.v_head_dim;
+  win_cols = 0, hidden_cols = 0;
+  for (const LayerW& w : layers) {
+    win_cols = std::max({win_cols, w.kda.in_rows, w.mla.in_rows});
+    hidden_cols = std::max({hidden_cols, w.dense.I, w.moe.shared.I});
+  }
+  wide_cols = std::max<int64_t>({HD, ov, 1});
+  K3_ASSIGN_OR_RETURN(x, Alloc<float>(N * d));
+  if (c.attn_res_block > 0) {
+    K3_ASSIGN_OR_RETURN(hread, Alloc<float>(N * d));
+    K3_ASSIGN_OR_RETURN(bank, Alloc<float>((L + c.attn_res_block - 1) / c.attn_res_block * N * d));
+  }
+  K3_ASSIGN_OR_RETURN(a, AllocSplit(N, d));
+  K3_ASSIGN_OR_RETURN(m, AllocSplit(N, d));
+  K3_ASSIGN_OR_RETURN(fn, AllocSplit(N, d));
+  K3_ASSIGN_OR_RETURN(win, AllocSplit(N, std::max<int64_t>(win_cols, 8)));
+  K3_ASSIGN_OR_RETURN(onorm, AllocSplit(N, wide_cols));
+  K3_ASSIGN_OR_RETURN(hid, AllocSplit(N, std::max<int64_t>(hidden_cols, 8)));
+  K3_ASSIGN_OR_RETURN(gate, Alloc<float>(N * wide_cols));
+  for (void** p : {&graw, &qc, &kc, &vc, &obuf}) {
+    K3_ASSIGN_OR_RETURN(float* f, Alloc<float>(N * std::max<int64_t>(HD, 1)));
+    *p = f;
+  }
+  K3_ASSIGN_OR_RETURN(float* bb, Alloc<float>(N * std::max<int64_t>(c.kda_heads, 1)));
+  bbuf = bb;
+  if (c.has_layer_kind(Mixer::kMla)) {
+    const MlaDims s{c.mla_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim, c.kv_lora_rank};
+    if (c.q_lora_rank > 0) {
+      K3_ASSIGN_OR_RETURN(qbuf, AllocSplit(N, s.nh * s.dqk()));
+      K3_ASSIGN_OR_RETURN(qan, AllocSplit(N, c.q_lora_rank));
+    }
+    K3_ASSIGN_OR_RETURN(char* ws, Alloc<char>(MlaDecodeWorkspaceBytes(s, std::min(opt.max_seqs, N))));
+    mla_decode_ws = ws;
+  }
+  if (c.num_experts > 0) {
+    const int64_t E = c.num_experts, k = c.top_k, X = c.expert_width();
+    K3_ASSIGN_OR_RETURN(rlogits, Alloc<float>(N * E));
+    K3_ASSIGN_OR_RETURN(idx, Alloc<int32_t>(N * k));
+    K3_ASSIGN_OR_RETURN(wts, Alloc<float>(N * k));
+    K3_ASSIGN_OR_RETURN(moe_out, Alloc<float>(N * X));
+    if (c.latent_dim > 0) {
+      K3_ASSIGN_OR_RETURN(z, AllocSplit(N, X));
+      K3_ASSIGN_OR_RETURN(zn, AllocSplit(N, X));
+    }
+    K3_ASSIGN_OR_RETURN(char* ws, Alloc<char>(GroupedExpertsWorkspaceBytes(N, k, E, X, c.moe_intermediate_size)));
+    local_experts.workspace = ws;
+  }
+  K3_ASSIGN_OR_RETURN(hits, Alloc<int32_t>(L));
+  K3_CUDA_OK(cudaMemset(hits, 0, L * sizeof(int32_t)));
+  K3_ASSIGN_OR_RETURN(ids, Alloc<int32_t>(N));
+  // Metadata: 4 per token, 3 per chunk, cu_seqlens, logit rows, has_initial_state bytes.
+  meta_cap = 4 * N + 3 * N + (N + 1) + N + N / 4 + 1;
+  K3_ASSIGN_OR_RETURN(meta, Alloc<int32_t>(meta_cap));
+  K3_CUDA_OK(cudaMallocHost(&meta_host, meta_cap * sizeof(int32_t)));
+  local_experts.config = &c;
+  local_experts.layers = &layers;
+  local_experts.hits = hits;
+  experts = &local_experts;
+  return absl::OkStatus();
+}
+
+// ----------------------------------------------------------------------------------------------- forward
+
+absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N) {
+  LinearArgs la;
+  la.N = 2 * g.I, la.K = c.hidden_size, la.w = g.gate_up, la.x = in;
+  la.y = hid.p, la.ldy = hid.ld, la.y_lo = hid.lo, la.out = LinearOut::kSplit, la.M = N;
+  la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
+  K3_CUDA_OK(Linear(la, stream));
+  K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, x, c.hidden_size, LinearOut::kF32Add));
+  return absl::OkStatus();
+}
+
+// m[0..] = per-forward device metadata: tok_id, tok_slot, tok_pos, tok_start, ch_start, ch_len, ch_slot, cu, rows.
+enum Meta { kTokId, kTokSlot, kTokPos, kTokStart, kChStart, kChLen, kChSlot, kCu, kRows, kHasInit, kMetaCount };
+
+absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_chunks,
+                                  const std::vector<int32_t>& cu_host, const int32_t* const* md) {
+  const KdaW& w = layers[l].kda;
+  const int64_t d = c.hidden_size, H = c.kda_heads, D = c.kda_head_dim, HD = H * D, np = num_chunks - nd;
+  const bool tuned = D == 64 || D == 128;  // else KdaSmall (D ≤ 32), fp32 in and out
+  const LinearOut raw = tuned ? LinearOut::kBf16 : LinearOut::kF32;
+  std::optional<Phase> phase(std::in_place, *this, "kda.proj");
+  K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
+  K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw));
+  K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw));
+  if (c.kda_full_rank_gate) {
+    K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32));
+  } else {
+    K3_CUDA_OK(Lin(w.g_b, HD, D, win.Cols(3 * HD + D), N, gate, HD, LinearOut::kF32));
+  }
+
+  phase.emplace(*this, "kda.conv");
+  KdaConvArgs ca;
+  ca.N = N, ca.C = 3 * HD, ca.K = c.conv_kernel, ca.x = win, ca.w = w.conv, ca.state = conv_state[l];
+  ca.tok_start = md[kTokStart], ca.tok_slot = md[kTokSlot];
+  ca.out[0] = qc, ca.out[1] = kc, ca.out[2] = vc, ca.out_bf16 = tuned;
+  K3_CUDA_OK(KdaConv(ca, stream));
+  K3_CUDA_OK(KdaConvUpdateState(ca, num_chunks, md[kChStart], md[kChLen], md[kChSlot], stream));
+
+  const KdaGate gk = c.kda_gate_bounded ? KdaGate::kBounded : KdaGate::kSoftplus;
+  phase.emplace(*this, "kda.core");
+  if (tuned) {
+    auto at = [&](void* p, int64_t row, int64_t width) { return static_cast<bf16*>(p) + row * width; };
+    KdaArgs ka;
+    ka.H = H, ka.D = D, ka.gate = gk, ka.lower_bound = c.kda_gate_lower_bound;
+    ka.A_log = w.A_log, ka.dt_bias = w.dt_bias, ka.state = kda_state[l];
+    ka.q = at(qc, 0, HD), ka.k = at(kc, 0, HD), ka.v = at(vc, 0, HD), ka.g_raw = at(graw, 0, HD), ka.b = at(bbuf, 0, H);
+    ka.o = at(obuf, 0, HD), ka.state_idx = md[kTokSlot];
+    if (nd > 0) K3_CUDA_OK(KdaDecode(ka, nd, stream));
+    if (np > 0) {
+      KdaArgs kp = ka;
+      kp.q = at(qc, nd, HD), kp.k = at(kc, nd, HD), kp.v = at(vc, nd, HD), kp.g_raw = at(graw, nd, HD);
+      kp.b = at(bbuf, nd, H), kp.o = at(obuf, nd, HD), kp.state_idx = md[kChSlot] + nd;
+      KdaPrefillBatch batch;
+      batch.num_seqs = np, batch.cu_seqlens = md[kCu];
+      batch.has_initial_state = reinterpret_cast<const uint8_t*>(md[kHasInit]);
+      batch.num_chunks = KdaNumChunks(cu_host.data(), np);
+      K3_RETURN_IF_ERROR(Grow(&scratch, &scratch_bytes, KdaPrefillWorkspaceBytes(batch.num_chunks, H, D)));
+      batch.workspace = scratch;
+      K3_CUDA_OK(KdaPrefill(kp, batch, stream));
+    }
+    phase.emplace(*this, "kda.out");
+    K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gate, w.o_norm, c.rms_norm_eps,
+                            Split{onorm.p, D, onorm.lo}, stream));
+  } else {
+    KdaSmallArgs ks;
+    ks.H = H, ks.D = D, ks.gate = gk, ks.lower_bound = c.kda_gate_lower_bound;
+    ks.q = static_cast<float*>(qc), ks.k = static_cast<float*>(kc), ks.v = static_cast<float*>(vc);
+    ks.g_raw = static_cast<float*>(graw), ks.b = static_cast<float*>(bbuf);
+    ks.A_log = w.A_log, ks.dt_bias = w.dt_bias, ks.state = kda_state[l], ks.o = static_cast<float*>(obuf);
+    ks.num_chunks = num_chunks, ks.ch_start = md[kChStart], ks.ch_len = md[kChLen], ks.ch_slot = md[kChSlot];
+    K3_CUDA_OK(KdaSmall(ks, stream));
+    phase.emplace(*this, "kda.out");
+    K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const float*>(obuf), gate, w.o_norm, c.rms_norm_eps,
+                            Split{onorm.p, D, onorm.lo}, stream));
+  }
+  K3_CUDA_OK(Lin(w.o, d, HD, Split{onorm.p, HD, onorm.lo}, N, x, d, LinearOut::kF32Add));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::vector<int64_t>& pre_start,
+                                  const std::vector<int64_t>& pre_len, const std::vector<int64_t>& pre_pos,
+                                  const std::vector<int32_t>& pre_slot, const int32_t* const* md) {
+  const MlaW& w = layers[l].mla;
+  const MlaDims s{c.mla_heads, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim, c.kv_lora_rank};
+  const int64_t d = c.hidden_size, ov = s.nh * s.dv, max_ctx = opt.max_context;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.dqk()));
+  std::optional<Phase> phase(std::in_place, *this, "mla.proj");
+  K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
+  Split q = win, latent = win.Cols(s.nh * s.dqk());
+  if (c.q_lora_rank > 0) {
+    K3_CUDA_OK(RmsNorm(N, c.q_lora_rank, win, w.q_a_norm, kLoraNormEps, qan, stream));
+    K3_CUDA_OK(LinSplit(w.q_b, s.nh * s.dqk(), c.q_lora_rank, qan, N, qbuf));
+    q = qbuf, latent = win.Cols(c.q_lora_rank);
+  }
+  phase.emplace(*this, "mla.attn");
+  K3_CUDA_OK(MlaCacheAppend(N, s, latent, w.kv_a_norm, kLoraNormEps, md[kTokSlot], md[kTokPos], mla_cache[l], max_ctx,
+                            stream));
+  const Split o{onorm.p, ov, onorm.lo};
+  if (nd > 0)
+    K3_CUDA_OK(MlaDecode(nd, s, q, mla_cache[l], max_ctx, md[kTokSlot], md[kTokPos], w.kv_b, w.ukt, scale, o,
+                         mla_decode_ws, stream));
+  for (size_t i = 0; i < pre_start.size(); ++i) {
+    const int64_t T = pre_len[i], P = pre_pos[i], Tq = std::min(T, kMlaQueryTile);
+    K3_RETURN_IF_ERROR(Grow(&scratch, &scratch_bytes, MlaPrefillWorkspaceBytes(s, P + T, Tq)));
+    K3_CUDA_OK(MlaPrefill(s, T, P, q.Rows(pre_start[i]), mla_cache[l] + pre_slot[i] * max_ctx * s.cw(), w.kv_b, scale,
+                          o.Rows(pre_start[i]), Tq, scratch, stream));
+  }
+  phase.emplace(*this, "mla.out");
+  if (w.g) {
+    K3_CUDA_OK(Lin(w.g, ov, d, a, N, gate, ov, LinearOut::kF32));
+    K3_CUDA_OK(MulSigmoid(N, ov, o, gate, stream));
+  }
+  K3_CUDA_OK(Lin(w.o, d, ov, o, N, x, d, LinearOut::kF32Add));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
+  const MoeW& w = layers[l].moe;
+  const int64_t d = c.hidden_size, E = c.num_experts, k = c.top_k, X = c.expert_width();
+  // Front: router, top-k, latent down-projection.
+  std::optional<Phase> phase(std::in_place, *this, "moe.router");
+  K3_CUDA_OK(Lin(w.router, E, d, m, N, rlogits, E, LinearOut::kF32));
+  const RouterDims rd{E, k, c.num_expert_group, c.topk_group, c.moe_renormalize, c.routed_scaling_factor};
+  K3_CUDA_OK(SelectExperts(N, rd, rlogits, w.bias, idx, wts, stream));
+  Split rows = m;
+  if (w.latent_down) {
+    K3_CUDA_OK(LinSplit(w.latent_down, X, d, m, N, z));
+    rows = z;
+  }
+  // The routed experts, wherever they are.
+  phase.emplace(*this, "moe.experts");
+  K3_RETURN_IF_ERROR(experts->Run(CudaExpertRequest{l, N, X, k, rows, idx, wts}, moe_out, stream));
+  // Back: latent norm + up-projection (or the plain sum), shared experts.
+  phase.emplace(*this, "moe.back");
+  if (w.latent_up) {
+    if (w.latent_norm) {
+      K3_CUDA_OK(RmsNorm(N, X, moe_out, X, nullptr, w.latent_norm, c.rms_norm_eps, zn, stream));
+    } else {
+      K3_CUDA_OK(ToSplit(N, X, moe_out, X, zn, stream));
+    }
+    K3_CUDA_OK(Lin(w.latent_up, d, X, zn, N, x, d, LinearOut::kF32Add));
+  } else {
+    K3_CUDA_OK(AddInto(N * d, moe_out, x, stream));
+  }
+  if (w.shared.gate_up) K3_RETURN_IF_ERROR(Glu(w.shared, m, N));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out_rows) {
+  const int64_t d = c.hidden_size, V = c.vocab_size, L = c.num_layers;
+  // Checks, and the internal order: decode tokens (one-token chunks) first, then the longer chunks.
+  int64_t N = 0;
+  std::set<int32_t> seen;
+  std::vector<size_t> order;
+  for (int pass = 0; pass < 2; ++pass)
+    for (size_t i = 0; i < chunks.size(); ++i)
+      if ((chunks[i].tokens.size() == 1) == (pass == 0)) order.push_back(i);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const GpuChunk& ch = chunks[i];
+    if (ch.slot < 0 || ch.slot >= opt.max_seqs || !in_use[ch.slot])
+      return absl::InvalidArgumentError(absl::StrCat("chunk ", i, ": slot ", ch.slot, " is not allocated"));
+    if (!seen.insert(ch.slot).second)
+      return absl::InvalidArgumentError(absl::StrCat("chunk ", i, ": slot ", ch.slot, " appears twice in the batch"));
+    if (ch.tokens.empty()) return absl::InvalidArgumentError(absl::StrCat("chunk ", i, " has no tokens"));
+    for (int32_t t : ch.tokens)
+      if (t < 0 || t >= V)
+        return absl::InvalidArgumentError(absl::StrCat("token id ", t, " outside the vocabulary [0, ", V, ")"));
+    if (positions[ch.slot] + static_cast<int64_t>(ch.tokens.size()) > opt.max_context)
+      return absl::ResourceExhaustedError(absl::StrCat("chunk ", i, ": slot ", ch.slot, " would exceed max_context ",
+                                                       opt.max_context));
+    N += static_cast<int64_t>(ch.tokens.size());
+  }
+  if (N > cap)
+    return absl::InvalidArgumentError(absl::StrCat("batch of ", N, " tokens exceeds max_batch_tokens ", cap));
+  *out_rows = 0;
+  if (N == 0) return absl::OkStatus();
+
+  // Metadata, in the internal order.
+  const int64_t C = static_cast<int64_t>(chunks.size());
+  std::vector<int32_t> cols[kMetaCount];
+  std::vector<int64_t> row_of(C);  // internal start row of chunk i (original index)
+  std::vector<int64_t> pre_start, pre_len, pre_pos;
+  std::vector<int32_t> pre_slot, cu_host = {0};
+  std::vector<uint8_t> has_init;
+  int64_t nd = 0, row = 0;
+  for (size_t i : order) {
+    const GpuChunk& ch = chunks[i];
+    const int64_t T = static_cast<int64_t>(ch.tokens.size()), P = positions[ch.slot];
+    row_of[i] = row;
+    for (int64_t t = 0; t < T; ++t) {
+      cols[kTokId].push_back(ch.tokens[t]);
+      cols[kTokSlot].push_back(ch.slot);
+      cols[kTokPos].push_back(static_cast<int32_t>(P + t));
+      cols[kTokStart].push_back(static_cast<int32_t>(row));
+    }
+    cols[kChStart].push_back(static_cast<int32_t>(row));
+    cols[kChLen].push_back(static_cast<int32_t>(T));
+    cols[kChSlot].push_back(ch.slot);
+    if (T == 1) {
+      ++nd;
+    } else {
+      pre_start.push_back(row), pre_len.push_back(T), pre_pos.push_back(P), pre_slot.push_back(ch.slot);
+      cu_host.push_back(static_cast<int32_t>(cu_host.back() + T));
+      has_init.push_back(P > 0);
+    }
+    row += T;
+  }
+  cols[kCu] = cu_host;
+  for (int64_t i = 0; i < C; ++i) {
+    const GpuChunk& ch = chunks[i];
+    const int64_t T = static_cast<int64_t>(ch.tokens.size());
+    if (ch.logits == LogitsMode::kAll) {
+      for (int64_t t = 0; t < T; ++t) cols[kRows].push_back(static_cast<int32_t>(row_of[i] + t));
+    } else if (ch.logits == LogitsMode::kLast) {
+      cols[kRows].push_back(static_cast<int32_t>(row_of[i] + T - 1));
+    }
+  }
+  cols[kHasInit].resize((has_init.size() + 3) / 4);
+  std::memcpy(cols[kHasInit].data(), has_init.data(), has_init.size());
+  const int32_t* md[kMetaCount];
+  int64_t used = 0;
+  for (int k = 0; k < kMetaCount; ++k) {
+    std::memcpy(meta_host + used, cols[k].data(), cols[k].size() * sizeof(int32_t));
+    md[k] = meta + used;
+    used += static_cast<int64_t>(cols[k].size());
+  }
+  K3_CUDA_OK(cudaMemcpyAsync(meta, meta_host, used * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  const int64_t R = static_cast<int64_t>(cols[kRows].size());
+
+  // The layers (DESIGN §1.1; Block AttnRes §1.5: x is then the partial sum of the current block).
+  {
+    Phase p(*this, "embed");
+    K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
+  }
+  const bool attn_res = c.attn_res_block > 0;
+  int64_t banked = 0;
+  auto read = [&](const float* w, const float* n) -> absl::StatusOr<const float*> {
+    if (!attn_res) return x;
+    K3_CUDA_OK(AttnResRead(N, d, bank, cap * d, banked, x, w, n, c.rms_norm_eps, hread, stream));
+    return hread;
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerW& w = layers[l];
+    std::optional<Phase> phase(std::in_place, *this, "norm");
+    K3_ASSIGN_OR_RETURN(const float* h, read(w.attn_res_w, w.attn_res_n));
+    K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.input_norm, c.rms_norm_eps, a, stream));
+    if (attn_res && l % c.attn_res_block == 0) {  // the partial sum closes a block
+      K3_CUDA_OK(cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      K3_CUDA_OK(cudaMemsetAsync(x, 0, N * d * sizeof(float), stream));
+      ++banked;
+    }
+    phase.reset();
+    if (c.mixer[l] == Mixer::kKda) {
+      K3_RETURN_IF_ERROR(Kda(l, N, nd, C, cu_host, md));
+    } else {
+      K3_RETURN_IF_ERROR(Mla(l, N, nd, pre_start, pre_len, pre_pos, pre_slot, md));
+    }
+    phase.emplace(*this, "norm");
+    K3_ASSIGN_OR_RETURN(h, read(w.mlp_res_w, w.mlp_res_n));
+    K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.post_norm, c.rms_norm_eps, m, stream));
+    phase.reset();
+    if (c.mlp[l] == Mlp::kDense) {
+      Phase p(*this, "dense");
+      K3_RETURN_IF_ERROR(Glu(w.dense, m, N));
+    } else {
+      K3_RETURN_IF_ERROR(Moe(l, N));
+    }
+  }
+  Phase head(*this, "lm_head");
+  K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
+  if (R > 0) {
+    if (R > logits_rows) {
+      K3_CUDA_OK(cudaStreamSynchronize(stream));
+      if (logits) {
+        allocations.erase(std::find(allocations.begin(), allocations.end(), logits));
+        K3_CUDA_OK(cudaFree(logits));
+        logits = nullptr;
+      }
+      const int64_t rows = std::max(R, opt.max_seqs);
+      K3_ASSIGN_OR_RETURN(logits, Alloc<float>(rows * V));
+      logits_rows = rows;
+    }
+    K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, fn, stream));
+    K3_CUDA_OK(Lin(lm_head, V, d, fn, R, logits, V, LinearOut::kF32));
+  }
+  for (const GpuChunk& ch : chunks) positions[ch.slot] += static_cast<int64_t>(ch.tokens.size());
+  *out_rows = R;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------- CudaModel
+
+CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaModel::~CudaModel() = default;
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config, TensorSource& source,
+                                                            const CudaModelOptions& options) {
+  if (options.max_seqs <= 0 || options.max_context <= 0 || options.max_batch_tokens <= 0)
+    return absl::InvalidArgumentError("CudaModelOptions: max_seqs, max_context and max_batch_tokens must be positive");
+  if (config.has_layer_kind(Mixer::kKda)) {
+    const int64_t D = config.kda_head_dim;
+    if (D != 64 && D != 128 && D > kKdaSmallMaxD)
+      return absl::UnimplementedError(absl::StrCat("KDA head_dim ", D, " (the GPU path takes 64, 128 or ≤ 32)"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->c = config;
+  impl->opt = options;
+  K3_CUDA_OK(cudaSetDevice(options.device));
+  K3_CUDA_OK(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  K3_RETURN_IF_ERROR(impl->Upload(source));
+  K3_RETURN_IF_ERROR(impl->AllocState());
+  K3_RETURN_IF_ERROR(impl->AllocWork());
+  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Load(const std::string& dir, const CudaModelOptions& options) {
+  K3_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  K3_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::Open(dir));
+  auto shared = std::make_shared<const Checkpoint>(std::move(ck));
+  // Names, shapes and dtypes of every tensor, nothing converted on the host.
+  WeightFilter check;
+  check.non_expert = false;
+  check.expert = [](int64_t, int64_t) { return false; };
+  K3_RETURN_IF_ERROR(LoadWeights(config, shared, check).status());
+  CheckpointSource source(*shared);
+  return Create(config, source, options);
+}
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const ModelConfig& config, uint64_t seed,
+                                                                  const CudaModelOptions& options) {
+  RandomSource source(config, seed);
+  return Create(config, source, options);
+}
+
+const ModelConfig& CudaModel::config() const { return impl_->c; }
+const CudaModelOptions& CudaModel::options() const { return impl_->opt; }
+
+absl::StatusOr<int32_t> CudaModel::AllocSlot() {
+  Impl& m = *impl_;
+  const auto it = std::find(m.in_use.begin(), m.in_use.end(), false);
+  if (it == m.in_use.end())
+    return absl::ResourceExhaustedError(absl::StrCat("all ", m.opt.max_seqs, " sequence slots are in use"));
+  const int32_t slot = static_cast<int32_t>(it - m.in_use.begin());
+  const ModelConfig& c = m.c;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (c.mixer[l] != Mixer::kKda) continue;
+    const int64_t S = c.kda_heads * c.kda_head_dim * c.kda_head_dim, Cv = (c.conv_kernel - 1) * c.kda_conv_channels();
+    K3_CUDA_OK(cudaMemsetAsync(m.kda_state[l] + slot * S, 0, S * sizeof(float), m.stream));
+    K3_CUDA_OK(cudaMemsetAsync(m.conv_state[l] + slot * Cv, 0, Cv * sizeof(float), m.stream));
+  }
+  m.in_use[slot] = true;
+  m.positions[slot] = 0;
+  return slot;
+}
+
+absl::Status CudaModel::FreeSlot(int32_t slot) {
+  if (slot < 0 || slot >= impl_->opt.max_seqs || !impl_->in_use[slot])
+    return absl::NotFoundError(absl::StrCat("slot ", slot, " is not allocated"));
+  impl_->in_use[slot] = false;
+  return absl::OkStatus();
+}
+
+int64_t CudaModel::position(int32_t slot) const {
+  return slot >= 0 && slot < impl_->opt.max_seqs ? impl_->positions[slot] : 0;
+}
+
+absl::Status CudaModel::Forward(std::span<const GpuChunk> chunks, std::vector<float>* logits) {
+  Impl& m = *impl_;
+  int64_t R = 0;
+  K3_RETURN_IF_ERROR(m.Run(chunks, &R));
+  logits->resize(R * m.c.vocab_size);
+  if (R > 0)
+    K3_CUDA_OK(cudaMemcpyAsync(logits->data(), m.logits, R * m.c.vocab_size * sizeof(float), cudaMemcpyDeviceToHost,
+                               m.stream));
+  K3_CUDA_OK(cudaStreamSynchronize(m.stream));
+  m.Harvest();
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::ForwardGreedy(std::span<const GpuChunk> chunks, std::vector<int32_t>* ids) {
+  Impl& m = *impl_;
+  int64_t R = 0;
+  K3_RETURN_IF_ERROR(m.Run(chunks, &R));
+  ids->resize(R);
+  if (R > 0) {
+    Phase p(m, "argmax");
+    K3_CUDA_OK(Argmax(R, m.c.vocab_size, m.logits, m.ids, m.stream));
+    K3_CUDA_OK(cudaMemcpyAsync(ids->data(), m.ids, R * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
+  }
+  K3_CUDA_OK(cudaStreamSynchronize(m.stream));
+  m.Harvest();
+  return absl::OkStatus();
+}
+
+void CudaModel::SetProfiling(bool on) { impl_->profile = on; }
+
+std::vector<std::pair<std::string, double>> CudaModel::TakeProfile() {
+  std::vector<std::pair<std::string, double>> out(impl_->profile_ms.begin(), impl_->profile_ms.end());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  impl_->profile_ms.clear();
+  return out;
+}
+
+void CudaModel::SetExpertExecutor(CudaExpertExecutor* experts) {
+  impl_->experts = experts ? experts : &impl_->local_experts;
+}
+
+int64_t CudaModel::weight_bytes() const {
+  const Impl& m = *impl_;
+  int64_t experts = 0;
+  for (int64_t l = 0; l < m.c.num_layers; ++l)
+    if (m.c.mlp[l] == Mlp::kMoe) experts += m.c.num_experts * m.expert_bytes;
+  return m.weight_bytes + experts;
+}
+
+absl::StatusOr<int64_t> CudaModel::LastForwardWeightBytes() const {
+  const Impl& m = *impl_;
+  std::vector<int32_t> hits(m.c.num_layers);
+  K3_CUDA_OK(cudaMemcpy(hits.data(), m.hits, hits.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  int64_t bytes = m.weight_bytes - m.embed_bytes;
+  for (int64_t l = 0; l < m.c.num_layers; ++l)
+    if (m.c.mlp[l] == Mlp::kMoe) bytes += hits[l] * m.expert_bytes;
+  return bytes;
+}
+
+}  // namespace k3::cuda

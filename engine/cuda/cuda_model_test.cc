@@ -1,0 +1,390 @@
+// The GPU engine against the goldens (issue 5's acceptance: greedy ids exact, logits within 2e-2), against
+// itself (a sequence in a mixed batch == alone), and against the CPU engine on random models whose KDA head
+// dims take the tuned kernels (64, 128; the goldens' 32 runs the small-D kernel).
+//
+// The GPU holds weights in bf16. On a bf16 checkpoint that is exact and the goldens must match; an fp32
+// checkpoint is rounded on upload, and these tiny models are sensitive to it: the fp32 CPU engine itself, on
+// the same weights rounded to bf16, lands 0.45–1.05 (tiny-kimi-linear) and 4–9.8 (tiny-k3) from the fp32
+// goldens, with greedy mismatches. There the GPU is held to what that CPU engine reaches.
+#include "engine/cuda/cuda_model.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "common/bf16.h"
+#include "common/safetensors.h"
+#include "engine/expert_executor.h"
+#include "engine/model.h"
+#include "engine/weights.h"
+#include "tests/testing.h"
+#include "tools/golden.h"
+
+namespace k3::cuda {
+namespace {
+
+#define REQUIRE_GPU()                                                                         \
+  do {                                                                                        \
+    int n_ = 0;                                                                               \
+    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+std::string Data(const std::string& name) { return testing::SourceDir() + "/tests/data/" + name; }
+
+double MaxAbsDiff(const float* a, const float* b, size_t n) {
+  double m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = std::fabs(double(a[i]) - b[i]);
+    m = std::isfinite(d) ? std::max(m, d) : INFINITY;
+  }
+  return m;
+}
+
+std::unique_ptr<CudaModel> LoadOrDie(const std::string& dir) {
+  CudaModelOptions o;
+  o.max_seqs = 8, o.max_context = 512, o.max_batch_tokens = 512;
+  auto m = CudaModel::Load(dir, o);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+// Greedy continuation: the prompt as one prefill, then one token per step.
+std::vector<int32_t> Greedy(CudaModel& model, const std::vector<int32_t>& prompt, int n) {
+  auto slot = model.AllocSlot();
+  EXPECT_TRUE(slot.ok());
+  std::vector<int32_t> out, id;
+  GpuChunk ch{*slot, prompt, LogitsMode::kLast};
+  EXPECT_TRUE(model.ForwardGreedy({&ch, 1}, &id).ok());
+  for (int i = 0; i < n && id.size() == 1; ++i) {
+    out.push_back(id[0]);
+    if (i + 1 == n) break;
+    const std::vector<int32_t> next = {id[0]};
+    GpuChunk step{*slot, next, LogitsMode::kLast};
+    EXPECT_TRUE(model.ForwardGreedy({&step, 1}, &id).ok());
+  }
+  EXPECT_TRUE(model.FreeSlot(*slot).ok());
+  return out;
+}
+
+struct GoldenReport {
+  double prefill = 0, incremental = 0;
+  int greedy_match = 0, greedy_total = 0;
+};
+
+// Prefill, incremental and greedy against one golden directory; prints a line per prompt.
+std::vector<GoldenReport> RunGolden(const std::string& name) {
+  std::vector<GoldenReport> out;
+  auto model = LoadOrDie(Data(name));
+  auto golden = LoadGolden(Data(name));
+  EXPECT_TRUE(golden.ok()) << golden.status();
+  if (!model || !golden.ok()) return out;
+  const int64_t V = model->config().vocab_size;
+  for (size_t i = 0; i < golden->prompts.size(); ++i) {
+    const GoldenPrompt& p = golden->prompts[i];
+    const int64_t T = static_cast<int64_t>(p.input_ids.size());
+    GoldenReport r;
+    auto slot = model->AllocSlot();
+    EXPECT_TRUE(slot.ok());
+    std::vector<float> logits;
+    GpuChunk all{*slot, p.input_ids, LogitsMode::kAll};
+    EXPECT_TRUE(model->Forward({&all, 1}, &logits).ok());
+    EXPECT_EQ(static_cast<int64_t>(logits.size()), T * V);
+    r.prefill = MaxAbsDiff(logits.data(), p.prefill_logits.data(), std::min(logits.size(), p.prefill_logits.size()));
+    EXPECT_TRUE(model->FreeSlot(*slot).ok());
+    if (!p.incremental_logits.empty()) {
+      slot = model->AllocSlot();
+      std::vector<float> rows, step;
+      GpuChunk head{*slot, std::span<const int32_t>(p.input_ids).first(p.split), LogitsMode::kAll};
+      EXPECT_TRUE(model->Forward({&head, 1}, &rows).ok());
+      for (int64_t t = p.split; t < T; ++t) {
+        GpuChunk one{*slot, std::span<const int32_t>(p.input_ids).subspan(t, 1), LogitsMode::kLast};
+        EXPECT_TRUE(model->Forward({&one, 1}, &step).ok());
+        rows.insert(rows.end(), step.begin(), step.end());
+      }
+      r.incremental = MaxAbsDiff(rows.data(), p.incremental_logits.data(), std::min(rows.size(), p.incremental_logits.size()));
+      EXPECT_TRUE(model->FreeSlot(*slot).ok());
+    }
+    const std::vector<int32_t> ids = Greedy(*model, p.input_ids, static_cast<int>(p.greedy_ids.size()));
+    r.greedy_total = static_cast<int>(p.greedy_ids.size());
+    while (r.greedy_match < r.greedy_total && r.greedy_match < static_cast<int>(ids.size()) &&
+           ids[r.greedy_match] == p.greedy_ids[r.greedy_match])
+      ++r.greedy_match;
+    std::printf("%s prompt %zu (T %ld): prefill max|Δ| %.3g, incremental max|Δ| %.3g, greedy %d/%d\n", name.c_str(), i,
+                static_cast<long>(T), r.prefill, r.incremental, r.greedy_match, r.greedy_total);
+    out.push_back(r);
+  }
+  return out;
+}
+
+// Issue 5's acceptance on the Kimi-Linear golden whose weights are bf16.
+TEST(CudaModelGolden, KimiLinearBf16) {
+  REQUIRE_GPU();
+  for (const GoldenReport& r : RunGolden("tiny-kimi-linear-bf16")) {
+    EXPECT_LE(r.prefill, 2e-2);
+    EXPECT_LE(r.incremental, 2e-2);
+    EXPECT_EQ(r.greedy_match, r.greedy_total);
+  }
+}
+
+// A copy of a checkpoint with every tensor rounded to bf16 (what the GPU engine holds).
+std::string RoundedToBf16(const std::string& name) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("k3_cuda_bf16_" + name)).string();
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(Data(name) + "/config.json", dir + "/config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  auto ck = Checkpoint::Open(Data(name));
+  EXPECT_TRUE(ck.ok()) << ck.status();
+  std::vector<TensorBlob> blobs;
+  for (const auto& [n, t] : ck->tensors()) {
+    TensorBlob b{n, DType::kBF16, t.shape, std::vector<std::byte>(t.numel() * 2)};
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      uint16_t h;
+      if (t.dtype == DType::kF32) {
+        float f;
+        std::memcpy(&f, t.data + 4 * i, 4);
+        h = FloatToBf16(f);
+      } else {
+        std::memcpy(&h, t.data + 2 * i, 2);
+      }
+      std::memcpy(b.bytes.data() + 2 * i, &h, 2);
+    }
+    blobs.push_back(std::move(b));
+  }
+  EXPECT_TRUE(WriteSafetensors(dir + "/model.safetensors", blobs).ok());
+  return dir;
+}
+
+// fp32 checkpoints (Kimi-Linear, and Kimi K3 with Block AttnRes, bounded and full-rank KDA gates, gated MLA,
+// LatentMoE, SiTU): the GPU's distance to the fp32 golden is at most twice the fp32 CPU engine's on the same
+// bf16-rounded weights (or 2e-2). Greedy matches are printed, not required.
+TEST(CudaModelGolden, Fp32CheckpointsAsCloseAsTheirBf16Rounding) {
+  REQUIRE_GPU();
+  for (const char* name : {"tiny-kimi-linear", "tiny-k3"}) {
+    auto cpu = Model::Load(RoundedToBf16(name));
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    LocalExpertExecutor experts((*cpu)->config(), (*cpu)->weights());
+    auto golden = LoadGolden(Data(name));
+    ASSERT_TRUE(golden.ok()) << golden.status();
+    const std::vector<GoldenReport> gpu = RunGolden(name);
+    ASSERT_EQ(gpu.size(), golden->prompts.size());
+    for (size_t i = 0; i < gpu.size(); ++i) {
+      const GoldenPrompt& p = golden->prompts[i];
+      SequenceState st((*cpu)->config());
+      std::vector<float> logits;
+      SeqChunk all{&st, p.input_ids, LogitsMode::kAll};
+      ASSERT_TRUE((*cpu)->Forward({&all, 1}, experts, &logits).ok());
+      const double bound = MaxAbsDiff(logits.data(), p.prefill_logits.data(), logits.size());
+      std::printf("%s prompt %zu: CPU engine on bf16-rounded weights max|Δ| %.3g\n", name, i, bound);
+      EXPECT_LE(gpu[i].prefill, std::max(2e-2, 2 * bound)) << name << " prompt " << i;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------ random checkpoints
+
+// Writes config.json and a bf16 model.safetensors with random weights for the config (initialised by role,
+// as k3serve-mkmodel does) into a fresh temp directory.
+std::string WriteRandomModel(const std::string& tag, const std::string& config_json, uint32_t seed) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("k3_cuda_" + tag)).string();
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << config_json;
+  auto c = ParseModelConfig(config_json);
+  EXPECT_TRUE(c.ok()) << c.status();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  std::vector<TensorBlob> blobs;
+  for (const TensorSpec& t : ExpectedTensors(*c)) {
+    int64_t n = 1;
+    for (int64_t s : t.shape) n *= s;
+    const float fan_in = static_cast<float>(t.shape.back());
+    std::vector<uint16_t> v(n);
+    for (auto& e : v) {
+      float x = 0;
+      switch (t.role) {
+        case TensorRole::kEmbedding: x = normal(rng); break;
+        case TensorRole::kLinear: x = normal(rng) / std::sqrt(fan_in); break;
+        case TensorRole::kNorm: x = 0.9f + 0.2f * uni(rng); break;
+        case TensorRole::kConv: x = (2.0f * uni(rng) - 1.0f) / std::sqrt(fan_in); break;
+        case TensorRole::kALog: x = std::log(1.0f + 15.0f * uni(rng)); break;
+        case TensorRole::kDtBias:
+          x = c->kda_gate_bounded ? -2.0f * uni(rng)
+                                  : std::log(std::expm1(std::exp(std::log(1e-3f) + uni(rng) * std::log(100.0f))));
+          break;
+        case TensorRole::kRouterBias: x = 0.2f * uni(rng) - 0.1f; break;
+        case TensorRole::kAttnResQuery: x = normal(rng) * 0.25f / std::sqrt(fan_in); break;
+      }
+      e = FloatToBf16(x);
+    }
+    TensorBlob b{t.name, DType::kBF16, t.shape, std::vector<std::byte>(n * 2)};
+    std::memcpy(b.bytes.data(), v.data(), n * 2);
+    blobs.push_back(std::move(b));
+  }
+  EXPECT_TRUE(WriteSafetensors(dir + "/model.safetensors", blobs).ok());
+  return dir;
+}
+
+// Kimi-Linear layout with the tuned KDA kernels (head dim 128): KDA, KDA, MLA; dense first layer.
+const char* kKimiLinearLike = R"({
+  "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 3, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+  "intermediate_size": 512, "first_k_dense_replace": 1,
+  "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4, "kda_layers": [1, 2],
+                         "full_attn_layers": [3]},
+  "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": null, "kv_lora_rank": 64,
+  "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+  "num_experts": 16, "num_experts_per_token": 4, "num_shared_experts": 1, "moe_intermediate_size": 64,
+  "routed_scaling_factor": 2.446, "moe_renormalize": true, "num_expert_group": 1, "topk_group": 1
+})";
+
+// K3 switches with head dim 64: bounded + full-rank KDA gates, q LoRA and gated MLA, LatentMoE with its norm,
+// SiTU, Block AttnRes (block 2), grouped routing.
+const char* kK3Like = R"({
+  "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 4, "rms_norm_eps": 1e-5, "hidden_act": "situ",
+  "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+  "intermediate_size": 384, "first_k_dense_replace": 1,
+  "linear_attn_config": {"num_heads": 2, "head_dim": 64, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4],
+                         "full_attn_layers": [3], "gate_lower_bound": -5.0, "use_full_rank_gate": true},
+  "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64,
+  "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "mla_use_output_gate": true,
+  "num_experts": 32, "num_experts_per_token": 4, "num_shared_experts": 2, "moe_intermediate_size": 48,
+  "routed_scaling_factor": 1.0, "moe_renormalize": true, "num_expert_group": 4, "topk_group": 2,
+  "routed_expert_hidden_size": 128, "latent_moe_use_norm": true, "attn_res_block_size": 2
+})";
+
+std::vector<int32_t> RandomTokens(int64_t n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+// A 100-token prompt (two KDA chunks), then four decode steps: GPU logits against the CPU engine's, row by
+// row. Random MoE models are sensitive to their top-k: a 1-ulp change of the embedding table moves most rows
+// by 0.02–0.06 on the CPU engine itself, and the odd row whose routing flips by 1–2. So 90% of the rows must
+// agree to 2% of the logit scale, and the worst row is printed.
+TEST(CudaModel, MatchesCpuEngineOnRandomModels) {
+  REQUIRE_GPU();
+  int seed = 0;
+  for (const char* config : {kKimiLinearLike, kK3Like}) {
+    const std::string dir = WriteRandomModel(absl::StrCat("cpu_vs_gpu_", seed), config, 100 + seed);
+    ++seed;
+    auto cpu = Model::Load(dir);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto gpu = LoadOrDie(dir);
+    ASSERT_TRUE(gpu);
+    LocalExpertExecutor experts((*cpu)->config(), (*cpu)->weights());
+    const std::vector<int32_t> prompt = RandomTokens(100, 1000, 7);
+    SequenceState st((*cpu)->config());
+    auto slot = gpu->AllocSlot();
+    ASSERT_TRUE(slot.ok());
+    std::vector<float> want, got;
+    SeqChunk cc{&st, prompt, LogitsMode::kAll};
+    GpuChunk gc{*slot, prompt, LogitsMode::kAll};
+    ASSERT_TRUE((*cpu)->Forward({&cc, 1}, experts, &want).ok());
+    ASSERT_TRUE(gpu->Forward({&gc, 1}, &got).ok());
+    ASSERT_EQ(got.size(), want.size());
+    const int64_t V = 1000;
+    double scale = 1.0;
+    for (float v : want) scale = std::max(scale, double(std::fabs(v)));
+    std::vector<double> rows;  // per-row max |Δ|
+    auto add_rows = [&]() {
+      for (size_t r = 0; r * V < want.size(); ++r) rows.push_back(MaxAbsDiff(got.data() + r * V, want.data() + r * V, V));
+    };
+    add_rows();
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<int32_t> tok = {static_cast<int32_t>(11 + 37 * step)};
+      SeqChunk cs{&st, tok, LogitsMode::kLast};
+      GpuChunk gs{*slot, tok, LogitsMode::kLast};
+      ASSERT_TRUE((*cpu)->Forward({&cs, 1}, experts, &want).ok());
+      ASSERT_TRUE(gpu->Forward({&gs, 1}, &got).ok());
+      add_rows();
+    }
+    std::sort(rows.begin(), rows.end());
+    const double p90 = rows[rows.size() * 9 / 10], worst = rows.back();
+    std::printf("random model %d: max|logit| %.3g, GPU vs CPU per-row max|Δ|: 90th percentile %.3g, worst %.3g\n",
+                seed, scale, p90, worst);
+    EXPECT_LT(p90 / scale, 2e-2);
+  }
+}
+
+// Sequences in a mixed batch (prefill chunks beside decode tokens, in varying order) get the logits they get
+// alone.
+TEST(CudaModel, BatchedEqualsAlone) {
+  REQUIRE_GPU();
+  const std::string dirs[] = {Data("tiny-kimi-linear-bf16"), WriteRandomModel("batched", kKimiLinearLike, 200)};
+  for (const std::string& dir : dirs) {
+    auto model = LoadOrDie(dir);
+    ASSERT_TRUE(model);
+    const int64_t V = model->config().vocab_size;
+    const std::vector<std::vector<int32_t>> prompts = {RandomTokens(30, V, 1), RandomTokens(70, V, 2), {5}};
+    const std::vector<std::vector<int32_t>> next = {{3, 4, 5}, {6, 7, 8}, {9, 10, 11}};
+    // Alone: prompt, then three decode tokens; logits of the last row each time.
+    std::vector<std::vector<std::vector<float>>> alone(3);
+    for (int s = 0; s < 3; ++s) {
+      auto slot = model->AllocSlot();
+      ASSERT_TRUE(slot.ok());
+      std::vector<float> l;
+      GpuChunk p{*slot, prompts[s], LogitsMode::kLast};
+      ASSERT_TRUE(model->Forward({&p, 1}, &l).ok());
+      alone[s].push_back(l);
+      for (int t = 0; t < 3; ++t) {
+        GpuChunk d{*slot, std::span<const int32_t>(next[s]).subspan(t, 1), LogitsMode::kLast};
+        ASSERT_TRUE(model->Forward({&d, 1}, &l).ok());
+        alone[s].push_back(l);
+      }
+      ASSERT_TRUE(model->FreeSlot(*slot).ok());
+    }
+    // Batched schedule: (sequence, step) per chunk; step 0 is the prompt.
+    const std::vector<std::vector<std::pair<int, int>>> schedule = {
+        {{0, 0}, {2, 0}}, {{0, 1}, {1, 0}, {2, 1}}, {{1, 1}, {0, 2}, {2, 2}}, {{0, 3}, {1, 2}, {2, 3}}, {{1, 3}}};
+    std::vector<int32_t> slots;
+    for (int s = 0; s < 3; ++s) slots.push_back(*model->AllocSlot());
+    double worst = 0;
+    for (const auto& batch : schedule) {
+      std::vector<GpuChunk> chunks;
+      for (auto [s, step] : batch)
+        chunks.push_back({slots[s], step == 0 ? std::span<const int32_t>(prompts[s])
+                                              : std::span<const int32_t>(next[s]).subspan(step - 1, 1),
+                          LogitsMode::kLast});
+      std::vector<float> l;
+      ASSERT_TRUE(model->Forward(chunks, &l).ok());
+      ASSERT_EQ(static_cast<int64_t>(l.size()), static_cast<int64_t>(batch.size()) * V);
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const auto& ref = alone[batch[i].first][batch[i].second];
+        worst = std::max(worst, MaxAbsDiff(l.data() + i * V, ref.data(), V));
+      }
+    }
+    std::printf("%s: batched vs alone max|Δ| %.3g\n", dir.c_str(), worst);
+    EXPECT_LE(worst, 1e-4);
+  }
+}
+
+TEST(CudaModel, RejectsBadBatches) {
+  REQUIRE_GPU();
+  auto model = LoadOrDie(Data("tiny-kimi-linear"));
+  ASSERT_TRUE(model);
+  const std::vector<int32_t> ok = {1, 2}, bad = {1, 100000};
+  std::vector<float> l;
+  GpuChunk unallocated{3, ok, LogitsMode::kLast};
+  EXPECT_EQ(model->Forward({&unallocated, 1}, &l).code(), absl::StatusCode::kInvalidArgument);
+  auto slot = model->AllocSlot();
+  ASSERT_TRUE(slot.ok());
+  GpuChunk oov{*slot, bad, LogitsMode::kLast};
+  EXPECT_EQ(model->Forward({&oov, 1}, &l).code(), absl::StatusCode::kInvalidArgument);
+  GpuChunk twice[2] = {{*slot, ok, LogitsMode::kLast}, {*slot, ok, LogitsMode::kLast}};
+  EXPECT_EQ(model->Forward(twice, &l).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(model->position(*slot), 0);
+  std::vector<int32_t> long_prompt(513, 1);
+  GpuChunk too_long{*slot, long_prompt, LogitsMode::kLast};
+  EXPECT_FALSE(model->Forward({&too_long, 1}, &l).ok());
+}
+
+}  // namespace
+}  // namespace k3::cuda

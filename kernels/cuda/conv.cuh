@@ -1,0 +1,34 @@
+// The KDA short convolution on the GPU for a ragged batch (DESIGN §1.2): per sequence chunk, a causal
+// depthwise conv (kernel K, no bias) over the q, k, v projections, then SiLU; the K−1 inputs before a chunk
+// come from the sequence's conv state, which then holds the chunk's last K−1 inputs. fp32 math and state.
+// Reference: k3::cpu::CausalConv1dSilu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/split.cuh"
+
+namespace k3::cuda {
+
+struct KdaConvArgs {
+  int64_t N = 0;      // tokens
+  int64_t C = 0;      // channels: q | k | v, C / 3 each
+  int64_t K = 0;      // kernel size (≥ 2)
+  Split x;            // [N, C] projections
+  const float* w = nullptr;      // [C, K] (q, k, v conv weights stacked)
+  float* state = nullptr;        // pool [slots][K − 1][C], oldest input first
+  const int32_t* tok_start = nullptr;  // [N] the row where the token's chunk starts
+  const int32_t* tok_slot = nullptr;   // [N] the chunk's state slot
+  void* out[3] = {nullptr, nullptr, nullptr};  // q, k, v [N, C / 3]
+  bool out_bf16 = true;                        // bf16 (the tuned KDA kernels) or fp32
+};
+
+// The outputs; reads the states, writes none.
+cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream);
+// Then the states: for each chunk c (rows ch_start[c] .. + ch_len[c]), slot ch_slot[c] ← its last K − 1 inputs.
+cudaError_t KdaConvUpdateState(const KdaConvArgs& a, int64_t num_chunks, const int32_t* ch_start,
+                               const int32_t* ch_len, const int32_t* ch_slot, cudaStream_t stream);
+
+}  // namespace k3::cuda

@@ -1,0 +1,38 @@
+// Split-bf16 activations: how the GPU engine stores what it feeds to matrix products.
+//
+// A value x is kept as two bf16, hi = bf16(x) and lo = bf16(x − hi): 16 significant bits instead of 8. The
+// GEMMs multiply hi and lo against the same bf16 weight fragment (two tensor-core MMAs per weight load), so a
+// product with an exact bf16 weight (a bf16 checkpoint) is as accurate as with fp32 activations, at the weight
+// traffic of plain bf16 — which is what decode time is made of. The halves live in two planes of one buffer:
+// hi at p[r·ld + c], lo at p[r·ld + c + lo]. lo = 0 marks plain bf16 (no lo plane).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace k3::cuda {
+
+struct Split {
+  __nv_bfloat16* p = nullptr;
+  int64_t ld = 0;  // row stride (elements)
+  int64_t lo = 0;  // offset of the lo plane from the hi plane (elements); 0: plain bf16
+
+  Split Cols(int64_t c) const { return {p + c, ld, lo}; }
+  Split Rows(int64_t r) const { return {p + r * ld, ld, lo}; }
+};
+
+#ifdef __CUDACC__
+__device__ __forceinline__ void StoreSplit(__nv_bfloat16* p, int64_t lo, float x) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+  p[0] = hi;
+  if (lo != 0) p[lo] = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+
+__device__ __forceinline__ float LoadSplit(const __nv_bfloat16* p, int64_t lo) {
+  const float hi = __bfloat162float(p[0]);
+  return lo != 0 ? hi + __bfloat162float(p[lo]) : hi;
+}
+#endif
+
+}  // namespace k3::cuda
