@@ -17,8 +17,13 @@ namespace {
 
 // The MLA LoRA norms use the reference RMSNorm's default eps, not rms_norm_eps (DESIGN §1.3).
 constexpr float kLoraNormEps = 1e-6f;
-// Up to this many new tokens the absorbed MLA form is cheaper than expanding the cache.
-constexpr int64_t kMlaAbsorbedMaxTokens = 8;
+// The absorbed MLA form costs per head T·L·(2(r+dr) − (dn+dr) − dv) more multiply-adds than the
+// expanded one in its attention products, and saves expanding the L cached tokens through kv_b,
+// L·(dn+dv)·r: it wins while T stays below the ratio (≈150 at Kimi-Linear shapes).
+bool MlaAbsorbedIsCheaper(int64_t T, const cpu::MlaShape& s) {
+  const int64_t extra = 2 * (s.r + s.dr) - (s.dn + s.dr) - s.dv;
+  return extra <= 0 || T * extra <= (s.dn + s.dv) * s.r;
+}
 // From this many tokens the chunked KDA form beats the recurrence.
 constexpr int64_t kKdaChunkedMinTokens = 16;
 
@@ -229,7 +234,7 @@ void ForwardPass::Mla(int64_t l, const float* a, float* y) {
     const int64_t t0 = offset_[i], T = offset_[i + 1] - offset_[i], P = cache.len;
     cache.rows.insert(cache.rows.end(), c.begin() + t0 * cw, c.begin() + (t0 + T) * cw);
     cache.len += T;
-    auto attend = T <= kMlaAbsorbedMaxTokens ? cpu::MlaAttentionAbsorbed : cpu::MlaAttentionExpanded;
+    auto attend = MlaAbsorbedIsCheaper(T, s) ? cpu::MlaAttentionAbsorbed : cpu::MlaAttentionExpanded;
     attend(T, P, s, q.data() + t0 * s.nh * dqk, cache.rows.data(), w.kv_b.data, scale, o.data() + t0 * s.nh * s.dv);
   }
   if (w.g) {

@@ -167,24 +167,14 @@ TEST(KdaChunked, DetectsWrongInput) {
   EXPECT_GT(RelErr(RunChunked(bad_g, 64).S, ref.S), 1e-3);
 }
 
-TEST(KdaChunked, FasterThanRecurrentForLongPrefill) {
+// A long prefill (64 chunks): the chunked form still equals the recurrence. Timings of the two are
+// printed by k3serve-bench-cpu-kernels, not asserted here.
+TEST(KdaChunked, LongPrefill) {
   const Inputs in = MakeInputs(4096, 4, 128, 128, true, Gate::kSoftplus, 11);
-  auto best_ms = [](auto&& run) {
-    double best = INFINITY;
-    for (int i = 0; i < 3; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      run();
-      best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
-  Result ref, got;
-  const double recurrent_ms = best_ms([&] { ref = RunRecurrent(in); });
-  const double chunked_ms = best_ms([&] { got = RunChunked(in, 64); });
-  std::printf("KDA T=4096 H=4 dk=dv=128: recurrent %.1f ms, chunked (C=64) %.1f ms\n", recurrent_ms, chunked_ms);
+  const Result ref = RunRecurrent(in);
+  const Result got = RunChunked(in, 64);
   EXPECT_LT(RelErr(got.o, ref.o), 1e-5);
   EXPECT_LT(RelErr(got.S, ref.S), 1e-5);
-  EXPECT_LT(chunked_ms, recurrent_ms);
 }
 
 // Closed forms in double precision.
