@@ -18,8 +18,8 @@ void TokenStream::Push(StepOutput o) {
   cv_.notify_all();
 }
 
-EngineLoop::EngineLoop(const Model& model, ExpertExecutor& experts, EngineOptions options, OnStep on_step)
-    : engine_(model, experts, options), on_step_(std::move(on_step)) {
+EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
+    : engine_(backend, options), on_step_(std::move(on_step)) {
   thread_ = std::thread([this] { Run(); });
 }
 

@@ -34,7 +34,7 @@ class EngineLoop {
   // Called on the engine thread after every step (metrics).
   using OnStep = std::function<void(const EngineStats&)>;
 
-  EngineLoop(const Model& model, ExpertExecutor& experts, EngineOptions options, OnStep on_step);
+  EngineLoop(Backend& backend, EngineOptions options, OnStep on_step);
   ~EngineLoop();
 
   // Queues a request; the validation result (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) comes

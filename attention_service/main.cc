@@ -189,17 +189,17 @@ int main(int argc, char** argv) {
   eopt.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   eopt.max_context = absl::GetFlag(FLAGS_max_context);
   eopt.max_new_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
-  eopt.ping_pong = absl::GetFlag(FLAGS_ping_pong);
   auto* running = &k3::metrics::Must(registry.AddGauge("k3serve_running_requests", "Sequences holding state in the engine."))->WithLabels();
   auto* waiting = &k3::metrics::Must(registry.AddGauge("k3serve_waiting_requests", "Sequences queued for the engine."))->WithLabels();
   auto* state_bytes = &k3::metrics::Must(registry.AddGauge("k3serve_sequence_state_bytes", "Bytes of per-sequence state held."))->WithLabels();
-  k3::EngineLoop loop(**model, counted, eopt, [&](const k3::EngineStats& s) {
+  k3::CpuBackend backend(**model, counted, absl::GetFlag(FLAGS_ping_pong));
+  k3::EngineLoop loop(backend, eopt, [&](const k3::EngineStats& s) {
     running->Set(static_cast<double>(s.running));
     waiting->Set(static_cast<double>(s.waiting));
     state_bytes->Set(static_cast<double>(s.state_bytes));
   });
   experts_ready = &dispatcher;
-  service.Attach(**model, loop, k3::Engine(**model, counted, eopt).max_context());
+  service.Attach(**model, loop, k3::Engine(backend, eopt).max_context());
   std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),
                model_name.c_str(), grpc->port, http ? http->port() : -1);
   // Health follows the experts: SERVING only with a complete, connected placement.

@@ -15,14 +15,13 @@ const char* FinishReasonName(FinishReason r) {
   return "?";
 }
 
-Engine::Engine(const Model& model, ExpertExecutor& experts, EngineOptions options)
-    : model_(model), experts_(experts), options_(options) {
-  max_context_ = options_.max_context > 0 ? options_.max_context : model.config().max_position;
+Engine::Engine(Backend& backend, EngineOptions options) : backend_(backend), options_(options) {
+  max_context_ = options_.max_context > 0 ? options_.max_context : backend.config().max_position;
   if (max_context_ <= 0) max_context_ = 1 << 20;
 }
 
 absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const SamplingParams& p) const {
-  const int64_t V = model_.config().vocab_size;
+  const int64_t V = backend_.config().vocab_size;
   if (prompt.empty()) return absl::InvalidArgumentError("prompt_ids must not be empty");
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0 || prompt[i] >= V)
@@ -49,25 +48,30 @@ absl::Status Engine::Add(uint64_t id, std::vector<int32_t> prompt, const Samplin
     return absl::ResourceExhaustedError(absl::StrCat("queue full: ", st.waiting, " sequences waiting"));
   const int64_t prompt_len = static_cast<int64_t>(prompt.size());
   sequences_.emplace(id, std::make_unique<Sequence>(Sequence{id, std::move(prompt), prompt_len, 0, params,
-                                                             Sampler(params), nullptr}));
+                                                             Sampler(params), -1}));
   order_.push_back(id);
   return absl::OkStatus();
 }
 
 absl::Status Engine::Abort(uint64_t id) {
+  if (!sequences_.count(id)) return absl::NotFoundError(absl::StrCat("sequence ", id, " is not live"));
+  Drop(id);
+  return absl::OkStatus();
+}
+
+void Engine::Drop(uint64_t id) {
   auto it = sequences_.find(id);
-  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " is not live"));
+  if (it->second->state >= 0) backend_.FreeSequence(it->second->state);
   sequences_.erase(it);
   order_.erase(std::find(order_.begin(), order_.end(), id));
-  return absl::OkStatus();
 }
 
 EngineStats Engine::Stats() const {
   EngineStats s;
   for (const auto& [id, seq] : sequences_) {
-    if (seq->state) {
+    if (seq->state >= 0) {
       ++s.running;
-      s.state_bytes += seq->state->bytes();
+      s.state_bytes += backend_.SequenceBytes(seq->state);
     } else {
       ++s.waiting;
     }
@@ -79,24 +83,26 @@ bool Engine::IsStop(const Sequence& s, int32_t token) const {
   const auto& stop = s.params.stop_token_ids;
   if (std::find(stop.begin(), stop.end(), token) != stop.end()) return true;
   if (s.params.ignore_eos) return false;
-  const auto& eos = model_.config().eos_token_ids;
+  const auto& eos = backend_.config().eos_token_ids;
   return std::find(eos.begin(), eos.end(), token) != eos.end();
 }
 
 std::vector<StepOutput> Engine::Step() {
   std::vector<StepOutput> out;
-  const ModelConfig& c = model_.config();
+  const ModelConfig& c = backend_.config();
   // Build the batch in admission order: decode tokens cost 1, prefill chunks take what is left of
   // the token budget. A sequence starts running (gets state) when it first enters a batch.
   int64_t budget = options_.max_batch_tokens, running = 0;
   std::vector<Sequence*> batch;
-  std::vector<SeqChunk> chunks;
+  std::vector<BatchChunk> chunks;
   for (uint64_t id : order_) {
     if (budget <= 0) break;
     Sequence& s = *sequences_.at(id);
-    if (!s.state) {
+    if (s.state < 0) {
       if (running >= options_.max_running) break;
-      s.state = std::make_unique<SequenceState>(c);
+      auto state = backend_.NewSequence();
+      if (!state.ok()) break;  // the backend is full: wait for a sequence to finish
+      s.state = *state;
     }
     ++running;
     const int64_t pending = static_cast<int64_t>(s.tokens.size()) - s.consumed;
@@ -104,25 +110,13 @@ std::vector<StepOutput> Engine::Step() {
     budget -= n;
     const bool last = s.consumed + n == static_cast<int64_t>(s.tokens.size());
     batch.push_back(&s);
-    chunks.push_back({s.state.get(), std::span<const int32_t>(s.tokens).subspan(s.consumed, n),
+    chunks.push_back({s.state, std::span<const int32_t>(s.tokens).subspan(s.consumed, n),
                       last ? LogitsMode::kLast : LogitsMode::kNone});
   }
   if (batch.empty()) return out;
 
-  // Forward: one pass, or two micro-batches whose expert dispatches overlap.
   std::vector<float> logits;
-  absl::Status status;
-  if (options_.ping_pong && chunks.size() >= 2) {
-    const size_t half = chunks.size() / 2;
-    ForwardPass a(model_, std::span<const SeqChunk>(chunks).first(half));
-    ForwardPass b(model_, std::span<const SeqChunk>(chunks).subspan(half));
-    ForwardPass* passes[] = {&a, &b};
-    status = RunPasses(passes, experts_);
-    logits = std::move(a.logits());
-    logits.insert(logits.end(), b.logits().begin(), b.logits().end());
-  } else {
-    status = model_.Forward(chunks, experts_, &logits);
-  }
+  const absl::Status status = backend_.Forward(chunks, &logits);
 
   const int64_t V = c.vocab_size;
   int64_t row = 0;
@@ -150,10 +144,7 @@ std::vector<StepOutput> Engine::Step() {
       }
     }
     o.generated_tokens = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
-    if (o.finish != FinishReason::kNone) {
-      order_.erase(std::find(order_.begin(), order_.end(), s.id));
-      sequences_.erase(s.id);  // frees the state
-    }
+    if (o.finish != FinishReason::kNone) Drop(s.id);
     if (!o.tokens.empty() || o.finish != FinishReason::kNone) out.push_back(std::move(o));
   }
   return out;
@@ -162,7 +153,8 @@ std::vector<StepOutput> Engine::Step() {
 absl::StatusOr<std::vector<int32_t>> GenerateGreedy(const Model& model, const std::vector<int32_t>& prompt,
                                                     int max_new) {
   LocalExpertExecutor experts(model.config(), model.weights());
-  Engine engine(model, experts, EngineOptions{});
+  CpuBackend backend(model, experts);
+  Engine engine(backend, EngineOptions{});
   SamplingParams p;
   p.max_new_tokens = max_new;
   p.ignore_eos = true;

@@ -12,7 +12,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/model.h"
+#include "engine/backend.h"
 #include "engine/sampler.h"
 
 namespace k3 {
@@ -23,7 +23,6 @@ struct EngineOptions {
   int64_t max_waiting = 1024;       // queued sequences beyond which Add says RESOURCE_EXHAUSTED
   int64_t max_context = 0;          // prompt + generated tokens; 0: the model's model_max_length
   int64_t max_new_tokens_limit = 1 << 16;
-  bool ping_pong = false;           // split each step into two micro-batches that overlap dispatch
 };
 
 enum class FinishReason { kNone, kLength, kStop, kAborted, kError };
@@ -46,7 +45,7 @@ struct EngineStats {
 
 class Engine {
  public:
-  Engine(const Model& model, ExpertExecutor& experts, EngineOptions options = {});
+  Engine(Backend& backend, EngineOptions options = {});
 
   // Queues a sequence. INVALID_ARGUMENT names the bad field; RESOURCE_EXHAUSTED when the queue is
   // full; ALREADY_EXISTS for a live id.
@@ -59,7 +58,6 @@ class Engine {
   bool HasWork() const { return !sequences_.empty(); }
   EngineStats Stats() const;
   int64_t max_context() const { return max_context_; }
-  const Model& model() const { return model_; }
 
  private:
   struct Sequence {
@@ -69,20 +67,23 @@ class Engine {
     int64_t consumed = 0;         // tokens fed through the model
     SamplingParams params;
     Sampler sampler;
-    std::unique_ptr<SequenceState> state;  // allocated when the sequence starts running
+    int32_t state = -1;  // the backend's state, allocated when the sequence starts running
   };
   absl::Status Validate(const std::vector<int32_t>& prompt, const SamplingParams& p) const;
   bool IsStop(const Sequence& s, int32_t token) const;
 
-  const Model& model_;
-  ExpertExecutor& experts_;
+  // Frees the sequence's state and forgets it.
+  void Drop(uint64_t id);
+
+  Backend& backend_;
   EngineOptions options_;
   int64_t max_context_;
   std::map<uint64_t, std::unique_ptr<Sequence>> sequences_;
   std::deque<uint64_t> order_;  // admission order: running first, then waiting
 };
 
-// One prompt, greedy, through the engine (conformance, demos).
+// One prompt, greedy, through the engine on the CPU model with in-process experts (conformance,
+// tests).
 absl::StatusOr<std::vector<int32_t>> GenerateGreedy(const Model& model, const std::vector<int32_t>& prompt, int max_new);
 
 }  // namespace k3

@@ -55,8 +55,8 @@ TEST(Engine, ConcurrentEqualsAlone) {
     EngineOptions opt;
     opt.max_batch_tokens = 24;
     opt.max_running = 5;  // more sequences than slots: some wait
-    opt.ping_pong = ping_pong;
-    Engine e(m, experts, opt);
+    CpuBackend backend(m, experts, ping_pong);
+    Engine e(backend, opt);
     const std::vector<int64_t> lens = {1, 3, 17, 40, 2, 70, 9, 33};
     for (size_t i = 0; i < lens.size(); ++i) ASSERT_TRUE(e.Add(i, Ids(lens[i], i), Greedy(6 + i)).ok());
     auto got = Drain(e);
@@ -77,7 +77,8 @@ TEST(Engine, StopTokensEndASequence) {
   LocalExpertExecutor experts(m.config(), m.weights());
   auto free_run = GenerateGreedy(m, {1, 5, 77}, 10);
   ASSERT_TRUE(free_run.ok());
-  Engine e(m, experts);
+  CpuBackend backend(m, experts);
+  Engine e(backend);
   SamplingParams p = Greedy(10);
   p.stop_token_ids = {(*free_run)[3]};
   ASSERT_TRUE(e.Add(7, {1, 5, 77}, p).ok());
@@ -91,7 +92,8 @@ TEST(Engine, StopTokensEndASequence) {
 TEST(Engine, AbortFreesState) {
   const Model& m = Tiny();
   LocalExpertExecutor experts(m.config(), m.weights());
-  Engine e(m, experts);
+  CpuBackend backend(m, experts);
+  Engine e(backend);
   ASSERT_TRUE(e.Add(1, Ids(20, 1), Greedy(100)).ok());
   ASSERT_TRUE(e.Add(2, Ids(20, 2), Greedy(100)).ok());
   e.Step();
@@ -112,7 +114,8 @@ TEST(Engine, BadRequestsNameTheField) {
   opt.max_context = 64;
   opt.max_new_tokens_limit = 32;
   opt.max_waiting = 2;
-  Engine e(m, experts, opt);
+  CpuBackend backend(m, experts);
+  Engine e(backend, opt);
   auto expect = [&](std::vector<int32_t> prompt, SamplingParams p, absl::StatusCode code, const std::string& text) {
     const absl::Status s = e.Add(99, std::move(prompt), p);
     EXPECT_EQ(s.code(), code) << s;
@@ -164,7 +167,8 @@ TEST(Engine, FailedStepEndsItsSequencesAndEngineRecovers) {
   const Model& m = Tiny();
   LocalExpertExecutor local(m.config(), m.weights());
   FailingExecutor experts(local);
-  Engine e(m, experts);
+  CpuBackend backend(m, experts);
+  Engine e(backend);
   ASSERT_TRUE(e.Add(1, Ids(5, 1), Greedy(4)).ok());
   experts.fail = true;
   auto out = e.Step();

@@ -66,7 +66,8 @@ absl::StatusOr<Figures> InProcess(const BenchOptions& o) {
   EngineOptions eo;
   eo.max_running = o.streams;
   eo.max_batch_tokens = std::max<int64_t>(2048, static_cast<int64_t>(o.streams));
-  Engine engine(*model, experts, eo);
+  CpuBackend backend(*model, experts);
+  Engine engine(backend, eo);
   SamplingParams sp;
   sp.max_new_tokens = o.max_tokens;
   sp.ignore_eos = true;

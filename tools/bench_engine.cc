@@ -73,7 +73,8 @@ int Run() {
     EngineOptions opt;
     opt.max_batch_tokens = static_cast<int64_t>(B) * P;
     opt.max_running = B;
-    Engine engine(**model, experts, opt);
+    CpuBackend backend(**model, experts);
+    Engine engine(backend, opt);
     std::mt19937 rng(1);
     SamplingParams sp;
     sp.max_new_tokens = D + 1;

@@ -133,7 +133,8 @@ int LocalGenerate() {
   auto model = Model::Load(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Error(model.status());
   LocalExpertExecutor experts((*model)->config(), (*model)->weights());
-  Engine engine(**model, experts);
+  CpuBackend backend(**model, experts);
+  Engine engine(backend);
   if (auto s = engine.Add(1, *ids, SamplingFromFlags()); !s.ok()) return Error(s);
   const auto t0 = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point first;
