@@ -28,9 +28,9 @@ InferenceService::InferenceService(InferenceOptions options, metrics::Registry& 
   m_generated_tokens_ = &metrics::Must(reg.AddCounter("k3serve_generation_tokens_total", "Generated tokens."))->WithLabels();
 }
 
-void InferenceService::Attach(const Model& model, EngineLoop& loop, int64_t max_context) {
+void InferenceService::Attach(const ModelConfig& config, EngineLoop& loop, int64_t max_context) {
   max_context_ = max_context;
-  model_ = &model;
+  config_ = &config;
   loop_ = &loop;
 }
 
@@ -144,9 +144,9 @@ grpc::Status InferenceService::Abort(grpc::ServerContext*, const v1::AbortReques
 }
 
 grpc::Status InferenceService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*, v1::ModelInfo* resp) {
-  const Model* model = model_.load();
-  if (model == nullptr) return {grpc::StatusCode::UNAVAILABLE, "the model is still loading"};
-  const ModelConfig& c = model->config();
+  const ModelConfig* config = config_.load();
+  if (config == nullptr) return {grpc::StatusCode::UNAVAILABLE, "the model is still loading"};
+  const ModelConfig& c = *config;
   resp->set_name(options_.model_name);
   resp->set_vocab_size(c.vocab_size);
   resp->set_max_context(max_context_);

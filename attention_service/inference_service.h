@@ -29,7 +29,7 @@ class InferenceService final : public v1::Inference::Service {
   // The server starts (health NOT_SERVING) before the weights are loaded; requests get UNAVAILABLE
   // until Attach.
   InferenceService(InferenceOptions options, metrics::Registry& registry);
-  void Attach(const Model& model, EngineLoop& loop, int64_t max_context);
+  void Attach(const ModelConfig& config, EngineLoop& loop, int64_t max_context);
 
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
@@ -40,7 +40,7 @@ class InferenceService final : public v1::Inference::Service {
   grpc::Status Finish(const grpc::Status& s);
 
   const InferenceOptions options_;
-  std::atomic<const Model*> model_{nullptr};
+  std::atomic<const ModelConfig*> config_{nullptr};
   std::atomic<EngineLoop*> loop_{nullptr};
   int64_t max_context_ = 0;
   std::atomic<uint64_t> next_id_{1};

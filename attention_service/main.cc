@@ -12,6 +12,9 @@
 #include "absl/flags/parse.h"
 #include "attention_service/engine_loop.h"
 #include "attention_service/inference_service.h"
+#ifdef K3SERVE_HAVE_CUDA
+#include "engine/cuda/cuda_backend.h"
+#endif
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
@@ -37,7 +40,7 @@ ABSL_FLAG(int64_t, max_context, 0, "prompt + generated tokens per request (0: th
 ABSL_FLAG(int32_t, max_tokens_limit, 4096, "largest max_tokens a request may ask for");
 ABSL_FLAG(bool, ping_pong, true, "split each step into two micro-batches that overlap expert dispatch");
 ABSL_FLAG(int, dispatch_timeout_ms, 10000, "an MoE dispatch that takes longer fails with DEADLINE_EXCEEDED");
-ABSL_FLAG(std::string, device, "cpu", "compute device: cpu");
+ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with K3SERVE_CUDA)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once listening");
 
 namespace {
@@ -99,8 +102,14 @@ int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   k3::InitServiceProcess();
-  if (absl::GetFlag(FLAGS_device) != "cpu")
-    return Fail("--device", absl::InvalidArgumentError("only \"cpu\" is available in this build"));
+  const std::string device = absl::GetFlag(FLAGS_device);
+#ifdef K3SERVE_HAVE_CUDA
+  if (device != "cpu" && device != "cuda")
+    return Fail("--device", absl::InvalidArgumentError("--device must be \"cpu\" or \"cuda\", got \"" + device + "\""));
+#else
+  if (device != "cpu")
+    return Fail("--device", absl::InvalidArgumentError("--device: only \"cpu\" is available in this build (no CUDA)"));
+#endif
   std::string node_id = absl::GetFlag(FLAGS_node_id);
   if (node_id.empty()) {
     char host[256] = {0};
@@ -133,12 +142,44 @@ int main(int argc, char** argv) {
   if (!h.ok()) return Fail("metrics", h.status());
   std::unique_ptr<k3::HttpServer> http = std::move(*h);
   k3::WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat(grpc->port, " ", http ? http->port() : -1));
+  k3::EngineOptions eopt;
+  eopt.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  eopt.max_running = absl::GetFlag(FLAGS_max_running);
+  eopt.max_waiting = absl::GetFlag(FLAGS_max_waiting);
+  eopt.max_context = absl::GetFlag(FLAGS_max_context);
+  eopt.max_new_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  // Everything but the routed experts, on the CPU or the GPU.
   auto load_start = absl::Now();
-  auto model = k3::Model::Load(model_dir, k3::WeightFilter::AttentionOnly());
-  if (!model.ok()) return Fail("model", model.status());
-  const k3::ModelConfig& config = (*model)->config();
-  std::fprintf(stderr, "k3serve-attention %s: loaded %s in %.0f ms\n", node_id.c_str(), model_dir.c_str(),
-               absl::ToDoubleMilliseconds(absl::Now() - load_start));
+  std::unique_ptr<k3::Model> cpu_model;
+#ifdef K3SERVE_HAVE_CUDA
+  std::unique_ptr<k3::cuda::CudaModel> gpu_model;
+  if (device == "cuda") {
+    auto cfg = k3::LoadModelConfig(model_dir);
+    if (!cfg.ok()) return Fail("model", cfg.status());
+    // The device holds each slot's whole MLA cache: the context must be bounded.
+    if (eopt.max_context <= 0) eopt.max_context = std::min<int64_t>(cfg->max_position > 0 ? cfg->max_position : 8192, 8192);
+    k3::cuda::CudaModelOptions copt;
+    copt.max_seqs = eopt.max_running;
+    copt.max_context = eopt.max_context;
+    copt.max_batch_tokens = eopt.max_batch_tokens;
+    copt.routed_experts = false;
+    auto m = k3::cuda::CudaModel::Load(model_dir, copt);
+    if (!m.ok()) return Fail("model", m.status());
+    gpu_model = std::move(*m);
+  }
+#endif
+  if (device == "cpu") {
+    auto m = k3::Model::Load(model_dir, k3::WeightFilter::AttentionOnly());
+    if (!m.ok()) return Fail("model", m.status());
+    cpu_model = std::move(*m);
+  }
+#ifdef K3SERVE_HAVE_CUDA
+  const k3::ModelConfig& config = gpu_model ? gpu_model->config() : cpu_model->config();
+#else
+  const k3::ModelConfig& config = cpu_model->config();
+#endif
+  std::fprintf(stderr, "k3serve-attention %s: loaded %s on %s in %.0f ms\n", node_id.c_str(), model_dir.c_str(),
+               device.c_str(), absl::ToDoubleMilliseconds(absl::Now() - load_start));
 
   auto transport = k3::dataplane::NewUcxTransport();
   if (!transport.ok()) return Fail("UCX", transport.status());
@@ -183,23 +224,27 @@ int main(int argc, char** argv) {
   Reporter rep(router, counted, node_id);
   reporter = &rep;
 
-  k3::EngineOptions eopt;
-  eopt.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-  eopt.max_running = absl::GetFlag(FLAGS_max_running);
-  eopt.max_waiting = absl::GetFlag(FLAGS_max_waiting);
-  eopt.max_context = absl::GetFlag(FLAGS_max_context);
-  eopt.max_new_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
   auto* running = &k3::metrics::Must(registry.AddGauge("k3serve_running_requests", "Sequences holding state in the engine."))->WithLabels();
   auto* waiting = &k3::metrics::Must(registry.AddGauge("k3serve_waiting_requests", "Sequences queued for the engine."))->WithLabels();
   auto* state_bytes = &k3::metrics::Must(registry.AddGauge("k3serve_sequence_state_bytes", "Bytes of per-sequence state held."))->WithLabels();
-  k3::CpuBackend backend(**model, counted, absl::GetFlag(FLAGS_ping_pong));
-  k3::EngineLoop loop(backend, eopt, [&](const k3::EngineStats& s) {
+  std::unique_ptr<k3::Backend> backend;
+#ifdef K3SERVE_HAVE_CUDA
+  // On the GPU the routed experts' rows go through the host to the dispatcher (no ping-pong yet).
+  std::unique_ptr<k3::cuda::HostExpertBridge> bridge;
+  if (gpu_model) {
+    bridge = std::make_unique<k3::cuda::HostExpertBridge>(counted);
+    gpu_model->SetExpertExecutor(bridge.get());
+    backend = std::make_unique<k3::cuda::CudaBackend>(*gpu_model);
+  }
+#endif
+  if (cpu_model) backend = std::make_unique<k3::CpuBackend>(*cpu_model, counted, absl::GetFlag(FLAGS_ping_pong));
+  k3::EngineLoop loop(*backend, eopt, [&](const k3::EngineStats& s) {
     running->Set(static_cast<double>(s.running));
     waiting->Set(static_cast<double>(s.waiting));
     state_bytes->Set(static_cast<double>(s.state_bytes));
   });
   experts_ready = &dispatcher;
-  service.Attach(**model, loop, k3::Engine(backend, eopt).max_context());
+  service.Attach(config, loop, k3::Engine(*backend, eopt).max_context());
   std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),
                model_name.c_str(), grpc->port, http ? http->port() : -1);
   // Health follows the experts: SERVING only with a complete, connected placement.

@@ -12,6 +12,7 @@
 
 #include "common/bf16.h"
 #include "common/safetensors.h"
+#include "engine/cuda/cuda_status.h"
 #include "engine/tensor_names.h"
 #include "engine/weights.h"
 #include "kernels/cuda/attnres.cuh"
@@ -29,14 +30,6 @@ namespace k3::cuda {
 namespace {
 
 using bf16 = __nv_bfloat16;
-
-#define K3_CUDA_OK(expr)                                                                          \
-  do {                                                                                            \
-    const cudaError_t k3_err_ = (expr);                                                           \
-    if (k3_err_ != cudaSuccess)                                                                   \
-      return absl::InternalError(                                                                 \
-          absl::StrCat(#expr, " (", __FILE__, ":", __LINE__, "): ", cudaGetErrorString(k3_err_))); \
-  } while (0)
 
 // The MLA LoRA norms use the reference RMSNorm's default eps, not rms_norm_eps (DESIGN §1.3).
 constexpr float kLoraNormEps = 1e-6f;
@@ -478,6 +471,8 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
         K3_RETURN_IF_ERROR(up.F32(layer(l, n::kLatentNorm), e.latent_norm));
       }
     }
+    expert_bytes = 3 * I * X * 2;
+    if (!opt.routed_experts) continue;
     K3_ASSIGN_OR_RETURN(bf16 * w13, bf(E * 2 * I * X));
     K3_ASSIGN_OR_RETURN(bf16 * w2, bf(E * X * I));
     for (int64_t x = 0; x < E; ++x) {
@@ -486,10 +481,9 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
       K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW2), w2 + x * X * I));
     }
     e.experts = ExpertStack{w13, w2, E, X, I};
-    expert_bytes = 3 * I * X * 2;
   }
   int64_t routed = 0;
-  for (int64_t l = 0; l < L; ++l)
+  for (int64_t l = 0; l < L && opt.routed_experts; ++l)
     if (c.mlp[l] == Mlp::kMoe) routed += c.num_experts * expert_bytes;
   weight_bytes = allocated - start - routed;  // everything but the routed experts
   K3_CUDA_OK(cudaDeviceSynchronize());
@@ -710,6 +704,8 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   }
   // The routed experts, wherever they are.
   phase.emplace(*this, "moe.experts");
+  if (experts == &local_experts && !opt.routed_experts)
+    return absl::FailedPreconditionError("the routed experts are not loaded here and no expert executor is set");
   K3_RETURN_IF_ERROR(experts->Run(CudaExpertRequest{l, N, X, k, rows, idx, wts}, moe_out, stream));
   // Back: latent norm + up-projection (or the plain sum), shared experts.
   phase.emplace(*this, "moe.back");

@@ -29,6 +29,9 @@ struct CudaModelOptions {
   int64_t max_context = 4096;       // tokens per sequence (the rows of a slot's MLA latent cache)
   int64_t max_batch_tokens = 4096;  // tokens per Forward
   int device = 0;
+  // false: the routed experts stay on expert nodes (an attention node); a CudaExpertExecutor must be
+  // set before the first Forward.
+  bool routed_experts = true;
 };
 
 // One sequence's tokens in a batch (as k3::SeqChunk); its state is the slot's.
