@@ -1,7 +1,8 @@
 #include "common/http_server.h"
 
-#include <civetweb.h>
+#include <httplib.h>
 
+#include <chrono>
 #include <exception>
 
 #include "absl/memory/memory.h"
@@ -17,43 +18,47 @@ HttpResponse TextResponse(int status, std::string body) {
 
 }  // namespace
 
+HttpServer::HttpServer() : server_(std::make_unique<httplib::Server>()) {}
+
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const Options& options) {
-  // civetweb wants this once per process, before any mg_start; a function-local static makes
-  // the first call thread-safe.
-  static const unsigned features = mg_init_library(0);
-  (void)features;
-
-  auto server = absl::WrapUnique(new HttpServer(options.max_body_bytes));
-  const std::string host = options.host.find(':') == std::string::npos
-                               ? options.host
-                               : absl::StrCat("[", options.host, "]");
-  const std::string listen = absl::StrCat(host, ":", options.port);
-  const std::string threads = absl::StrCat(options.num_threads);
-  const char* config[] = {"listening_ports", listen.c_str(), "num_threads", threads.c_str(),
-                          nullptr};
-  mg_callbacks callbacks = {};
-  mg_init_data init = {&callbacks, server.get(), config};
-  unsigned error_code = 0;
-  char error_text[256] = "";
-  mg_error_data error = {&error_code, error_text, sizeof(error_text)};
-  server->ctx_ = mg_start2(&init, &error);
-  if (server->ctx_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat("http server on ", listen, ": ", error_text,
-                                               " (civetweb error ", error_code, ")"));
+  auto server = absl::WrapUnique(new HttpServer());
+  httplib::Server& s = *server->server_;
+  const int threads = options.num_threads;
+  s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  s.set_payload_max_length(options.max_body_bytes);  // larger bodies get 413
+  // SO_REUSEADDR only: cpp-httplib's default adds SO_REUSEPORT, which would let a second server
+  // share a port that is in use instead of failing.
+  s.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // Every path and method comes to Serve, which matches exactly (404 / 405 are ours).
+  auto serve = [raw = server.get()](const httplib::Request& req, httplib::Response& res) { raw->Serve(req, res); };
+  s.Get(".*", serve).Post(".*", serve).Put(".*", serve).Delete(".*", serve).Patch(".*", serve);
+  const std::string listen = absl::StrCat(options.host, ":", options.port);
+  if (options.port == 0) {
+    server->port_ = s.bind_to_any_port(options.host);
+    if (server->port_ < 0) return absl::UnavailableError(absl::StrCat("http server on ", listen, ": cannot bind"));
+  } else {
+    if (!s.bind_to_port(options.host, options.port))
+      return absl::UnavailableError(absl::StrCat("http server on ", listen, ": cannot bind (port in use?)"));
+    server->port_ = options.port;
   }
-  // "/" is a prefix of every path, so all requests come to OnRequest, which does exact matching.
-  mg_set_request_handler(server->ctx_, "/", &HttpServer::OnRequest, server.get());
-
-  mg_server_port port = {};
-  if (mg_get_server_ports(server->ctx_, 1, &port) != 1) {
-    return absl::InternalError(absl::StrCat("http server on ", listen, ": no listening port"));
+  server->thread_ = std::thread([&s] { s.listen_after_bind(); });
+  // stop() is a no-op until the loop runs: wait for it, so that a server destroyed right away
+  // still stops.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!s.is_running()) {
+    if (std::chrono::steady_clock::now() > deadline)
+      return absl::UnavailableError(absl::StrCat("http server on ", listen, ": did not start listening"));
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  server->port_ = port.port;
   return server;
 }
 
 HttpServer::~HttpServer() {
-  if (ctx_ != nullptr) mg_stop(ctx_);
+  server_->stop();
+  if (thread_.joinable()) thread_.join();
 }
 
 void HttpServer::Handle(std::string method, std::string path, HttpHandler handler) {
@@ -68,26 +73,20 @@ void HttpServer::HandleMetrics(const metrics::Registry& registry, std::string pa
   });
 }
 
-int HttpServer::OnRequest(mg_connection* conn, void* self) {
-  const HttpResponse response = static_cast<HttpServer*>(self)->Dispatch(conn);
-  const std::string length = absl::StrCat(response.body.size());
-  mg_response_header_start(conn, response.status);
-  mg_response_header_add(conn, "Content-Type", response.content_type.c_str(), -1);
-  mg_response_header_add(conn, "Content-Length", length.c_str(), -1);
-  for (const auto& [name, value] : response.headers) {
-    mg_response_header_add(conn, name.c_str(), value.c_str(), -1);
-  }
-  mg_response_header_send(conn);
-  mg_write(conn, response.body.data(), response.body.size());
-  return response.status;
+void HttpServer::Serve(const httplib::Request& req, httplib::Response& res) {
+  const HttpResponse response = Dispatch(req);
+  res.status = response.status;
+  for (const auto& [name, value] : response.headers) res.set_header(name, value);
+  res.set_content(response.body, response.content_type.c_str());
 }
 
-HttpResponse HttpServer::Dispatch(mg_connection* conn) {
-  const mg_request_info* info = mg_get_request_info(conn);
+HttpResponse HttpServer::Dispatch(const httplib::Request& req) {
   HttpRequest request;
-  request.method = info->request_method;
-  request.path = info->local_uri != nullptr ? info->local_uri : "";
-  if (info->query_string != nullptr) request.query = info->query_string;
+  request.method = req.method;
+  request.path = req.path;
+  const size_t q = req.target.find('?');
+  if (q != std::string::npos) request.query = req.target.substr(q + 1);
+  request.body = req.body;
 
   std::shared_ptr<const HttpHandler> handler;
   {
@@ -105,22 +104,9 @@ HttpResponse HttpServer::Dispatch(mg_connection* conn) {
     }
     handler = by_method->second;
   }
-
-  // content_length is -1 when unknown (chunked), so the limit is also checked while reading.
-  if (info->content_length > static_cast<long long>(max_body_bytes_)) {
-    return TextResponse(413, "request body too large\n");
-  }
-  char buf[8192];
-  int n;
-  while ((n = mg_read(conn, buf, sizeof(buf))) > 0) {
-    request.body.append(buf, n);
-    if (request.body.size() > max_body_bytes_) return TextResponse(413, "request body too large\n");
-  }
-
   try {
     return (*handler)(request);
   } catch (const std::exception& e) {
-    // An exception must not unwind into civetweb's C threads.
     return TextResponse(500, absl::StrCat("internal error: ", e.what(), "\n"));
   }
 }

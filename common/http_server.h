@@ -1,4 +1,7 @@
-// A small HTTP/1.1 server (civetweb) for /metrics and admin JSON endpoints.
+// A small HTTP/1.1 server (cpp-httplib) for /metrics and admin JSON endpoints.
+//
+// Not civetweb: its worker threads have a fixed 100 KB stack, and a process that links cuBLAS
+// (94 KB of static TLS in libcublasLt) cannot start them. cpp-httplib's threads are std::threads.
 //
 //   K3_ASSIGN_OR_RETURN(auto server, HttpServer::Start({.host = "0.0.0.0", .port = 9100}));
 //   server->HandleMetrics(registry);
@@ -12,14 +15,18 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "common/metrics.h"
 #include "common/status.h"
 
-struct mg_context;
-struct mg_connection;
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
 
 namespace k3 {
 
@@ -54,8 +61,7 @@ class HttpServer {
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const Options& options);
 
   // Stops accepting, waits for requests in flight and joins the workers. Whatever the handlers
-  // use must outlive the server. Takes up to 2 s once a request was served: Debian's civetweb
-  // polls its listening socket in 2 s quanta and cannot be woken.
+  // use must outlive the server.
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
@@ -72,12 +78,12 @@ class HttpServer {
   void HandleMetrics(const metrics::Registry& registry, std::string path = "/metrics");
 
  private:
-  explicit HttpServer(size_t max_body_bytes) : max_body_bytes_(max_body_bytes) {}
-  static int OnRequest(mg_connection* conn, void* self);
-  HttpResponse Dispatch(mg_connection* conn);
+  HttpServer();
+  void Serve(const httplib::Request& req, httplib::Response& res);
+  HttpResponse Dispatch(const httplib::Request& req);
 
-  const size_t max_body_bytes_;
-  mg_context* ctx_ = nullptr;
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
   int port_ = 0;
 
   std::mutex mu_;

@@ -7,6 +7,9 @@
 #include "common/grpc_server.h"
 #include "engine/expert_executor.h"
 #include "router/wire.h"
+#ifdef K3SERVE_HAVE_CUDA
+#include "expert_service/gpu_experts.h"
+#endif
 
 namespace k3 {
 
@@ -68,12 +71,21 @@ grpc::Status ExpertNode::LoadSlots(grpc::ServerContext*, const v1::LoadSlotsRequ
       return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("slots.expert = ", s.expert(), " is out of range")};
     next->slots.insert({s.layer(), s.expert()});
   }
-  // Memory-maps just these experts (fp32: views into the file; bf16: converted copies).
+  const bool gpu = options_.device == "cuda";
+  // Memory-maps just these experts (fp32: views into the file; bf16: converted copies); on the GPU
+  // the names and shapes are still checked here, and the weights go to the device as bf16.
   auto weights = LoadWeights(config_, checkpoint_, WeightFilter::ExpertsOnly([&](int64_t l, int64_t e) {
-                               return next->slots.count({static_cast<int32_t>(l), static_cast<int32_t>(e)}) > 0;
+                               return !gpu && next->slots.count({static_cast<int32_t>(l), static_cast<int32_t>(e)}) > 0;
                              }));
   if (!weights.ok()) return ToGrpc(weights.status());
   next->weights = std::move(*weights);
+#ifdef K3SERVE_HAVE_CUDA
+  if (gpu) {
+    auto g = GpuExperts::Load(config_, *checkpoint_, next->slots);
+    if (!g.ok()) return ToGrpc(g.status());
+    next->gpu = std::move(*g);
+  }
+#endif
   {
     std::lock_guard<std::mutex> lock(mu_);
     slots_ = next;
@@ -186,7 +198,16 @@ void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
           w[(r.first_row + i) * k + j] = r.m.pairs[p].weight;
         }
     }
-    if (status.ok()) status = executor.Run({layer, rows, X, k, x.data(), idx.data(), w.data()}, out.data());
+    const ExpertRequest request{layer, rows, X, k, x.data(), idx.data(), w.data()};
+#ifdef K3SERVE_HAVE_CUDA
+    if (status.ok() && slots.gpu) {
+      status = slots.gpu->Run(request, out.data());
+    } else if (status.ok()) {
+      status = executor.Run(request, out.data());
+    }
+#else
+    if (status.ok()) status = executor.Run(request, out.data());
+#endif
     for (const auto& r : reqs) {
       const dataplane::ConnectionId to = items[r.item].from;
       if (!status.ok()) {

@@ -26,8 +26,11 @@ namespace v1 = ::k3serve::v1;
 
 namespace k3 {
 
+class GpuExperts;  // expert_service/gpu_experts.h, in CUDA builds
+
 struct ExpertNodeOptions {
   std::string node_id;
+  std::string device = "cpu";  // or "cuda" (CUDA builds): the slots' experts on the GPU
   absl::Duration batch_window = absl::Microseconds(200);  // wait this long for more rows
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
 };
@@ -57,7 +60,8 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   struct Slots {
     uint64_t version = 0;
     std::set<std::pair<int32_t, int32_t>> slots;
-    std::shared_ptr<const ModelWeights> weights;  // only the slots' experts loaded
+    std::shared_ptr<const ModelWeights> weights;  // only the slots' experts loaded (CPU)
+    std::shared_ptr<GpuExperts> gpu;              // the same slots on the GPU (--device cuda)
   };
   void Worker();
   void RunBatch(std::vector<Item>& items, const Slots& slots);

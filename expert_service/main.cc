@@ -26,6 +26,7 @@ ABSL_FLAG(int, metrics_port, 0, "Prometheus /metrics port (0: pick one, -1: off)
 ABSL_FLAG(std::string, node_id, "", "unique node id (default: expert-<host>-<pid>)");
 ABSL_FLAG(int, batch_window_us, 200, "how long to wait for more rows before running a batch");
 ABSL_FLAG(double, drain_seconds, 2.0, "on SIGTERM, keep answering this long after leaving the placement");
+ABSL_FLAG(std::string, device, "cpu", "where the experts run: cpu, or cuda (CUDA builds)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port data_port\" here once serving");
 
 namespace {
@@ -58,6 +59,14 @@ int main(int argc, char** argv) {
   k3::ExpertNodeOptions opt;
   opt.node_id = node_id;
   opt.batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
+  opt.device = absl::GetFlag(FLAGS_device);
+#ifdef K3SERVE_HAVE_CUDA
+  if (opt.device != "cpu" && opt.device != "cuda")
+    return Fail("--device", absl::InvalidArgumentError("--device must be \"cpu\" or \"cuda\", got \"" + opt.device + "\""));
+#else
+  if (opt.device != "cpu")
+    return Fail("--device", absl::InvalidArgumentError("--device: only \"cpu\" is available in this build (no CUDA)"));
+#endif
   k3::ExpertNode node(*config, std::make_shared<const k3::Checkpoint>(std::move(*ckpt)), opt, registry);
 
   auto transport = k3::dataplane::NewUcxTransport();
