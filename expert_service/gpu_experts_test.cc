@@ -1,20 +1,19 @@
 // An expert node's GPU experts against the CPU experts on the same slots.
 #include "expert_service/gpu_experts.h"
 
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "engine/model.h"
+#include "kernels/cuda/testing.cuh"
 #include "tests/testing.h"
 
 namespace k3 {
 namespace {
 
 TEST(GpuExperts, MatchCpuExpertsOnTheirSlots) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_GPU();
   // bf16 weights: the GPU holds them exactly, so only activations round.
   const std::string dir = testing::SourceDir() + "/tests/data/tiny-kimi-linear-bf16";
   auto model = Model::Load(dir);

@@ -1,11 +1,11 @@
 // The disaggregated cluster with both pools on the GPU: attention nodes running the model in bf16
 // (--device cuda, routed experts kept off the device) and expert nodes running their slots with the
 // grouped GPU experts (--device cuda), over gRPC and UCX. Runs where a CUDA device is present.
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
+#include "kernels/cuda/testing.cuh"
 #include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/golden.h"
@@ -15,8 +15,7 @@ namespace k3 {
 namespace {
 
 TEST(GpuCluster, GoldenGreedyWithGpuAttentionAndExperts) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_GPU();
   const std::string model = testing::SourceDir() + "/tests/data/tiny-kimi-linear-bf16";
   ClusterOptions o;
   const char* bin = std::getenv("K3SERVE_BIN_DIR");  // where the binaries were carried to

@@ -10,14 +10,10 @@
 #include "tests/testing.h"
 #include "tools/golden.h"
 
+#include "kernels/cuda/testing.cuh"
+
 namespace k3::cuda {
 namespace {
-
-#define REQUIRE_GPU()                                                                         \
-  do {                                                                                        \
-    int n_ = 0;                                                                               \
-    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 const std::string kModel = testing::SourceDir() + "/tests/data/tiny-kimi-linear-bf16";
 

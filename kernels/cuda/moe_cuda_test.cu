@@ -18,48 +18,14 @@
 #include "kernels/cuda/moe.cuh"
 #include "tests/testing.h"
 
+#include "kernels/cuda/testing.cuh"
+
 namespace k3::cuda {
 namespace {
 
 using testing::Random;
 using testing::RelDiff;
 
-#define CUDA_OK(expr)                                                                         \
-  do {                                                                                        \
-    const cudaError_t e_ = (expr);                                                            \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);                    \
-  } while (0)
-
-// Built with K3SERVE_CUDA=ON but run where there is no GPU: skip rather than fail.
-#define REQUIRE_GPU()                                                                         \
-  do {                                                                                        \
-    int n_ = 0;                                                                               \
-    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-template <class T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t n) : n_(n) {
-    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
-  }
-  explicit DeviceBuffer(const std::vector<T>& h) : DeviceBuffer(h.size()) {
-    if (p_ && !h.empty()) cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DeviceBuffer() { cudaFree(p_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  T* get() const { return p_; }
-  std::vector<T> ToHost() const {
-    std::vector<T> h(n_);
-    if (n_) cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
 
 // bf16 bits of v, and v rounded to bf16 in place (the values the CPU reference sees).
 std::vector<uint16_t> ToBf16(std::vector<float>& v) {

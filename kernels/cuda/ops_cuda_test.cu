@@ -28,46 +28,11 @@
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/sampling.cuh"
 
+#include "kernels/cuda/testing.cuh"
+
 namespace k3::cuda {
 namespace {
 
-#define CUDA_OK(expr)                                                                      \
-  do {                                                                                     \
-    const cudaError_t e_ = (expr);                                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);                 \
-  } while (0)
-
-#define REQUIRE_GPU()                                                                         \
-  do {                                                                                        \
-    int n_ = 0;                                                                               \
-    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-template <class T>
-class Dev {
- public:
-  explicit Dev(size_t n) : n_(n) {
-    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
-    if (p_) cudaMemset(p_, 0, std::max<size_t>(n, 1) * sizeof(T));
-  }
-  explicit Dev(const std::vector<T>& h) : Dev(h.size()) {
-    if (p_ && !h.empty()) cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~Dev() { cudaFree(p_); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  T* get() const { return p_; }
-  __nv_bfloat16* bf() const { return reinterpret_cast<__nv_bfloat16*>(p_); }
-  std::vector<T> Host() const {
-    std::vector<T> h(n_);
-    cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
 
 std::vector<float> Randn(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);
@@ -138,8 +103,8 @@ TEST(LinearCuda, DenseMatchesReference) {
         for (int64_t k = 0; k < c.K; ++k) acc += double(w[n * c.K + k]) * x[m * c.K + k];
         ref[m * c.N + n] = static_cast<float>(acc);
       }
-    Dev<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * c.N);
-    Dev<float> dy(y0);
+    DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * c.N);
+    DeviceBuffer<float> dy(y0);
     LinearArgs a;
     a.N = c.N, a.K = c.K, a.w = dw.bf();
     a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
@@ -150,11 +115,11 @@ TEST(LinearCuda, DenseMatchesReference) {
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<float> got;
     if (f32) {
-      got = dy.Host();
+      got = dy.ToHost();
     } else if (c.out == LinearOut::kSplit) {
-      got = FromSplit(dyb.Host(), c.M * c.N);
+      got = FromSplit(dyb.ToHost(), c.M * c.N);
     } else {
-      const auto h = dyb.Host();
+      const auto h = dyb.ToHost();
       for (int64_t i = 0; i < c.M * c.N; ++i) got.push_back(Bf16ToFloat(h[i]));
     }
     const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
@@ -187,10 +152,10 @@ TEST(LinearCuda, GroupedExpertsMatchCpu) {
       std::copy_n(w1.begin() + e * I * D, I * D, w13.begin() + e * 2 * I * D);
       std::copy_n(w3.begin() + e * I * D, I * D, w13.begin() + e * 2 * I * D + I * D);
     }
-    Dev<uint16_t> d13(ToBf16(w13)), d2(ToBf16(w2)), dx(xs);
-    Dev<int32_t> didx(idx), hits(1);
-    Dev<float> dw(wt), out(N * D);
-    Dev<char> ws(GroupedExpertsWorkspaceBytes(N, k, E, D, I));
+    DeviceBuffer<uint16_t> d13(ToBf16(w13)), d2(ToBf16(w2)), dx(xs);
+    DeviceBuffer<int32_t> didx(idx), hits(1);
+    DeviceBuffer<float> dw(wt), out(N * D);
+    DeviceBuffer<char> ws(GroupedExpertsWorkspaceBytes(N, k, E, D, I));
     const cpu::GluParams gp{act, 4.0f, 25.0f};
     CUDA_OK(GroupedExperts(N, k, Split{dx.bf(), D, N * D}, didx.get(), dw.get(), ExpertStack{d13.bf(), d2.bf(), E, D, I},
                            act == cpu::GluAct::kSilu ? LinearAct::kSilu : LinearAct::kSitu, gp.situ_beta,
@@ -200,11 +165,11 @@ TEST(LinearCuda, GroupedExpertsMatchCpu) {
     for (int64_t e = 0; e < E; ++e) ew[e] = {w1.data() + e * I * D, w3.data() + e * I * D, w2.data() + e * D * I};
     std::vector<float> ref(N * D);
     cpu::MoeExperts(N, D, I, k, x.data(), idx.data(), wt.data(), E, ew.data(), gp, ref.data());
-    EXPECT_LT(Rel(out.Host(), ref), 1e-4);
+    EXPECT_LT(Rel(out.ToHost(), ref), 1e-4);
     std::vector<int> used(E, 0);
     for (int32_t e : idx)
       if (e >= 0) used[e] = 1;
-    EXPECT_EQ(hits.Host()[0], std::accumulate(used.begin(), used.end(), 0));
+    EXPECT_EQ(hits.ToHost()[0], std::accumulate(used.begin(), used.end(), 0));
   }
 }
 
@@ -217,13 +182,13 @@ TEST(RouterCuda, SelectExpertsMatchesCpu) {
     std::vector<int32_t> idx(N * p.top_k);
     std::vector<float> w(N * p.top_k);
     cpu::RouteTopK(N, logits.data(), bias.data(), p, idx.data(), w.data());
-    Dev<float> dl(logits), db(bias), dw(N * p.top_k);
-    Dev<int32_t> di(N * p.top_k);
+    DeviceBuffer<float> dl(logits), db(bias), dw(N * p.top_k);
+    DeviceBuffer<int32_t> di(N * p.top_k);
     CUDA_OK(SelectExperts(N, RouterDims{p.num_experts, p.top_k, p.num_groups, p.topk_groups, p.renormalize, p.scale},
                           dl.get(), db.get(), di.get(), dw.get(), nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(di.Host(), idx);
-    EXPECT_LT(Rel(dw.Host(), w), 1e-6);
+    EXPECT_EQ(di.ToHost(), idx);
+    EXPECT_LT(Rel(dw.ToHost(), w), 1e-6);
   }
 }
 
@@ -235,23 +200,23 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
   const std::vector<float> x = Randn(M * D, 12, 3.0f), w = Randn(D, 13);
   std::vector<float> ref(M * D);
   cpu::RmsNormRef(M, D, x.data(), w.data(), 1e-5f, ref.data());
-  Dev<float> dx(x), dw(w);
-  Dev<uint16_t> dy(2 * M * D);
+  DeviceBuffer<float> dx(x), dw(w);
+  DeviceBuffer<uint16_t> dy(2 * M * D);
   CUDA_OK(RmsNorm(M, D, dx.get(), D, nullptr, dw.get(), 1e-5f, Split{dy.bf(), D, M * D}, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_LT(Rel(FromSplit(dy.Host(), M * D), ref), 1e-5);
+  EXPECT_LT(Rel(FromSplit(dy.ToHost(), M * D), ref), 1e-5);
 
   std::vector<float> o = Randn(M * H * Dh, 14), gate = Randn(M * H * Dh, 15), gw = Randn(Dh, 16), gref(M * H * Dh);
   ToBf16(o);
   cpu::GatedRmsNormRef(M * H, Dh, o.data(), gate.data(), gw.data(), 1e-5f, gref.data());
-  Dev<uint16_t> dob(ToBf16(o)), dg2(2 * M * H * Dh);
-  Dev<float> dof(o), dg(gate), dgw(gw);
-  Dev<uint16_t> dgy(2 * M * H * Dh);
+  DeviceBuffer<uint16_t> dob(ToBf16(o)), dg2(2 * M * H * Dh);
+  DeviceBuffer<float> dof(o), dg(gate), dgw(gw);
+  DeviceBuffer<uint16_t> dgy(2 * M * H * Dh);
   CUDA_OK(GatedRmsNorm(M * H, Dh, dob.bf(), dg.get(), dgw.get(), 1e-5f, Split{dgy.bf(), Dh, M * H * Dh}, nullptr));
   CUDA_OK(GatedRmsNorm(M * H, Dh, dof.get(), dg.get(), dgw.get(), 1e-5f, Split{dg2.bf(), Dh, M * H * Dh}, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_LT(Rel(FromSplit(dgy.Host(), M * H * Dh), gref), 1e-5);
-  EXPECT_LT(Rel(FromSplit(dg2.Host(), M * H * Dh), gref), 1e-5);
+  EXPECT_LT(Rel(FromSplit(dgy.ToHost(), M * H * Dh), gref), 1e-5);
+  EXPECT_LT(Rel(FromSplit(dg2.ToHost(), M * H * Dh), gref), 1e-5);
 }
 
 // ------------------------------------------------------------------------------------------------- conv
@@ -268,9 +233,9 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
   std::vector<int32_t> start = {0, 9, 10}, tok_start, tok_slot;
   for (size_t c = 0; c < len.size(); ++c)
     for (int32_t t = 0; t < len[c]; ++t) tok_start.push_back(start[c]), tok_slot.push_back(slot[c]);
-  Dev<uint16_t> dx(xs);
-  Dev<float> dw(w), dstate(state), q(N * C / 3), k(N * C / 3), v(N * C / 3);
-  Dev<int32_t> dts(tok_start), dtslot(tok_slot), dcs(start), dcl(len), dcslot(slot);
+  DeviceBuffer<uint16_t> dx(xs);
+  DeviceBuffer<float> dw(w), dstate(state), q(N * C / 3), k(N * C / 3), v(N * C / 3);
+  DeviceBuffer<int32_t> dts(tok_start), dtslot(tok_slot), dcs(start), dcl(len), dcslot(slot);
   KdaConvArgs a;
   a.N = N, a.C = C, a.K = K, a.x = Split{dx.bf(), C, N * C}, a.w = dw.get(), a.state = dstate.get();
   a.tok_start = dts.get(), a.tok_slot = dtslot.get(), a.out[0] = q.get(), a.out[1] = k.get(), a.out[2] = v.get();
@@ -282,7 +247,7 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
   for (size_t c = 0; c < len.size(); ++c)
     cpu::CausalConv1dSiluRef(len[c], C, K, x.data() + start[c] * C, w.data(), ref_state.data() + slot[c] * S * C,
                              ref.data() + start[c] * C);
-  const auto hq = q.Host(), hk = k.Host(), hv = v.Host();
+  const auto hq = q.ToHost(), hk = k.ToHost(), hv = v.ToHost();
   std::vector<float> got(N * C);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < C; ++c) {
@@ -290,7 +255,7 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
       got[t * C + c] = part[t * (C / 3) + c % (C / 3)];
     }
   EXPECT_LT(Rel(got, ref), 1e-5);
-  EXPECT_LT(Rel(dstate.Host(), ref_state), 1e-6);
+  EXPECT_LT(Rel(dstate.ToHost(), ref_state), 1e-6);
 }
 
 // ------------------------------------------------------------------------------------------------ KDA
@@ -305,8 +270,8 @@ TEST(KdaSmallCuda, RecurrenceMatchesCpu) {
                              b = Randn(N * H, 24), state = Randn(slots * H * D * D, 25, 0.3f);
     std::vector<float> A_log(H), dt_bias = Randn(HD, 26, 0.5f);
     for (int64_t h = 0; h < H; ++h) A_log[h] = std::log(1.0f + 3.0f * h);
-    Dev<float> dq(q), dk(k), dv(v), dg(g), db(b), dA(A_log), ddt(dt_bias), dstate(state), dout(N * HD);
-    Dev<int32_t> ds(start), dl(len), dslot(slot);
+    DeviceBuffer<float> dq(q), dk(k), dv(v), dg(g), db(b), dA(A_log), ddt(dt_bias), dstate(state), dout(N * HD);
+    DeviceBuffer<int32_t> ds(start), dl(len), dslot(slot);
     KdaSmallArgs a;
     a.H = H, a.D = D, a.q = dq.get(), a.k = dk.get(), a.v = dv.get(), a.g_raw = dg.get(), a.b = db.get();
     a.A_log = dA.get(), a.dt_bias = ddt.get(), a.gate = gate, a.lower_bound = -5.0f, a.state = dstate.get();
@@ -328,8 +293,8 @@ TEST(KdaSmallCuda, RecurrenceMatchesCpu) {
       cpu::KdaRecurrent(T, H, D, D, qc.data(), kc.data(), v.data() + o0 * HD, gc.data(), bc.data(),
                         ref_state.data() + slot[c] * H * D * D, ref.data() + o0 * HD);
     }
-    EXPECT_LT(Rel(dout.Host(), ref), 1e-5);
-    EXPECT_LT(Rel(dstate.Host(), ref_state), 1e-5);
+    EXPECT_LT(Rel(dout.ToHost(), ref), 1e-5);
+    EXPECT_LT(Rel(dstate.ToHost(), ref_state), 1e-5);
   }
 }
 
@@ -363,13 +328,13 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
     MlaProblem p = MakeMla(s, T, L, 30);
     std::vector<float> ref(T * s.nh * s.dv);
     cpu::MlaAttentionRef(T, P, cs, p.q.data(), p.cache.data(), p.kv_b.data(), scale, ref.data());
-    Dev<uint16_t> dq(p.qs), dcache(p.cache_b), dkv(p.kv_bb), dout(2 * T * s.nh * s.dv);
+    DeviceBuffer<uint16_t> dq(p.qs), dcache(p.cache_b), dkv(p.kv_bb), dout(2 * T * s.nh * s.dv);
     const int64_t Tq = 64;  // two query tiles
-    Dev<char> ws(MlaPrefillWorkspaceBytes(s, L, Tq));
+    DeviceBuffer<char> ws(MlaPrefillWorkspaceBytes(s, L, Tq));
     CUDA_OK(MlaPrefill(s, T, P, Split{dq.bf(), s.nh * s.dqk(), T * s.nh * s.dqk()}, dcache.bf(), dkv.bf(), scale,
                        Split{dout.bf(), s.nh * s.dv, T * s.nh * s.dv}, Tq, ws.get(), nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_LT(Rel(FromSplit(dout.Host(), T * s.nh * s.dv), ref), 1e-2) << "prefill nh " << s.nh;
+    EXPECT_LT(Rel(FromSplit(dout.ToHost(), T * s.nh * s.dv), ref), 1e-2) << "prefill nh " << s.nh;
 
     // Decode: three sequences in slots 1, 0, 2 of a pool of max_ctx rows, at positions 0, 20, L − 1.
     const int64_t max_ctx = L + 3, N = 3;
@@ -381,15 +346,15 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
     for (int64_t n = 0; n < N; ++n)
       cpu::MlaAttentionRef(1, pos[n], cs, d.q.data() + n * s.nh * s.dqk(), p.cache.data(), p.kv_b.data(), scale,
                            dref.data() + n * s.nh * s.dv);
-    Dev<uint16_t> dqd(d.qs), dpool(pool), dukt(s.nh * s.r * s.dn), dod(2 * N * s.nh * s.dv);
-    Dev<int32_t> dslot(slot), dpos(pos);
-    Dev<char> wsd(MlaDecodeWorkspaceBytes(s, N));
+    DeviceBuffer<uint16_t> dqd(d.qs), dpool(pool), dukt(s.nh * s.r * s.dn), dod(2 * N * s.nh * s.dv);
+    DeviceBuffer<int32_t> dslot(slot), dpos(pos);
+    DeviceBuffer<char> wsd(MlaDecodeWorkspaceBytes(s, N));
     CUDA_OK(MlaTransposeUk(s, dkv.bf(), dukt.bf(), nullptr));
     CUDA_OK(MlaDecode(N, s, Split{dqd.bf(), s.nh * s.dqk(), N * s.nh * s.dqk()}, dpool.bf(), max_ctx, dslot.get(),
                       dpos.get(), dkv.bf(), dukt.bf(), scale, Split{dod.bf(), s.nh * s.dv, N * s.nh * s.dv}, wsd.get(),
                       nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_LT(Rel(FromSplit(dod.Host(), N * s.nh * s.dv), dref), 2e-3) << "decode nh " << s.nh;
+    EXPECT_LT(Rel(FromSplit(dod.ToHost(), N * s.nh * s.dv), dref), 2e-3) << "decode nh " << s.nh;
   }
 }
 
@@ -400,13 +365,13 @@ TEST(MlaCuda, CacheAppendNormalizes) {
   std::vector<float> c = Randn(N * s.cw(), 50, 2.0f), w = Randn(s.r, 51);
   const std::vector<uint16_t> cs = ToSplitPlanes(c);
   const std::vector<int32_t> slot = {1, 1, 0}, pos = {4, 5, 0};
-  Dev<uint16_t> dc(cs), cache(2 * max_ctx * s.cw());
-  Dev<float> dw(w);
-  Dev<int32_t> dslot(slot), dpos(pos);
+  DeviceBuffer<uint16_t> dc(cs), cache(2 * max_ctx * s.cw());
+  DeviceBuffer<float> dw(w);
+  DeviceBuffer<int32_t> dslot(slot), dpos(pos);
   CUDA_OK(MlaCacheAppend(N, s, Split{dc.bf(), s.cw(), N * s.cw()}, dw.get(), 1e-6f, dslot.get(), dpos.get(), cache.bf(),
                          max_ctx, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
-  const auto h = cache.Host();
+  const auto h = cache.ToHost();
   for (int64_t n = 0; n < N; ++n) {
     std::vector<float> ref(s.cw()), got(s.cw());
     cpu::RmsNormRef(1, s.r, c.data() + n * s.cw(), w.data(), 1e-6f, ref.data());
@@ -429,10 +394,10 @@ TEST(AttnResCuda, NaiveReadMatchesCpu) {
     src.push_back(partial.data());
     std::vector<float> ref(N * d);
     cpu::AttnResRead(N, d, src.data(), m + 1, w.data(), n.data(), 1e-5f, ref.data());
-    Dev<float> db(bank), dp(partial), dw(w), dn(n), out(N * d);
+    DeviceBuffer<float> db(bank), dp(partial), dw(w), dn(n), out(N * d);
     CUDA_OK(AttnResRead(N, d, db.get(), N * d, m, dp.get(), dw.get(), dn.get(), 1e-5f, out.get(), nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_LT(Rel(out.Host(), ref), 1e-5) << "m " << m;
+    EXPECT_LT(Rel(out.ToHost(), ref), 1e-5) << "m " << m;
   }
 }
 
@@ -445,11 +410,11 @@ TEST(SamplingCuda, ArgmaxTakesLowestIdOnTies) {
   l[5] = 50.0f, l[77] = 50.0f;                   // row 0: tie → 5
   l[V + V - 1] = 60.0f;                          // row 1: last id
   l[2 * V + 1000] = 9.0f, l[2 * V + 999] = 9.0f;  // row 2: tie → 999
-  Dev<float> dl(l);
-  Dev<int32_t> ids(R);
+  DeviceBuffer<float> dl(l);
+  DeviceBuffer<int32_t> ids(R);
   CUDA_OK(Argmax(R, V, dl.get(), ids.get(), nullptr));
   CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(ids.Host(), (std::vector<int32_t>{5, static_cast<int32_t>(V - 1), 999}));
+  EXPECT_EQ(ids.ToHost(), (std::vector<int32_t>{5, static_cast<int32_t>(V - 1), 999}));
 }
 
 }  // namespace

@@ -1,0 +1,53 @@
+// Shared by the CUDA tests: device buffers, CUDA assertions, and skipping where there is no GPU
+// (CUDA code is built in CI without one).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#define CUDA_OK(expr)                                                                      \
+  do {                                                                                     \
+    const cudaError_t e_ = (expr);                                                         \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);                 \
+  } while (0)
+
+#define REQUIRE_GPU()                                                                         \
+  do {                                                                                        \
+    int n_ = 0;                                                                               \
+    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+namespace k3::cuda {
+
+// A zero-filled device array of n T, optionally copied from the host.
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
+    if (p_) cudaMemset(p_, 0, std::max<size_t>(n, 1) * sizeof(T));
+  }
+  explicit DeviceBuffer(const std::vector<T>& h) : DeviceBuffer(h.size()) {
+    if (p_ && !h.empty()) cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  T* get() const { return p_; }
+  __nv_bfloat16* bf() const { return reinterpret_cast<__nv_bfloat16*>(p_); }
+  std::vector<T> ToHost() const {
+    std::vector<T> h(n_);
+    if (n_) cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+}  // namespace k3::cuda
