@@ -19,12 +19,6 @@ std::vector<Slot> PlacementTable::SlotsOf(int32_t node) const {
   return out;
 }
 
-int32_t PlacementTable::NodeIndex(const std::string& node_id) const {
-  for (size_t i = 0; i < nodes.size(); ++i)
-    if (nodes[i].node_id == node_id) return static_cast<int32_t>(i);
-  return -1;
-}
-
 void PlacementTable::ToProto(v1::Placement* out) const {
   out->Clear();
   out->set_version(version);

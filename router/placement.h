@@ -35,7 +35,6 @@ struct PlacementTable {
   // Every expert of every MoE layer has at least one replica.
   bool complete() const;
   std::vector<Slot> SlotsOf(int32_t node) const;
-  int32_t NodeIndex(const std::string& node_id) const;  // -1 if absent
 
   void ToProto(v1::Placement* out) const;
   // Checks indices and shapes against the config; errors name the field.
