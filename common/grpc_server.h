@@ -26,8 +26,7 @@ struct GrpcServer {
 // the standard health service (NOT_SERVING until SetServing(true)) and server reflection.
 absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services);
 
-// grpc::Status <-> absl::Status (codes are numerically identical).
+// absl::Status as grpc::Status (the codes are numerically identical).
 grpc::Status ToGrpc(const absl::Status& s);
-absl::Status FromGrpc(const grpc::Status& s);
 
 }  // namespace k3

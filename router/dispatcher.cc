@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 namespace k3::router {
 
@@ -113,62 +114,71 @@ absl::StatusOr<uint64_t> Dispatcher::Submit(const ExpertRequest& r) {
     load[best]++;
   }
 
-  // One message per node: its rows, each with the pairs it hosts (pre-summed there).
+  const uint64_t version = pt.version;
+  lock.unlock();
+
+  // One message per node, built in one pass over the pairs: the rows that node sums, each with the
+  // pairs it hosts (pre-summed there). Encoded outside the lock; nothing is registered until all are.
+  struct Out {
+    wire::ExpertRequest m;
+    std::vector<int32_t> rows;
+    dataplane::Buffer buf;
+  };
+  std::vector<Out> out(node_peer.size());
+  for (int64_t n = 0; n < r.rows; ++n)
+    for (int64_t j = 0; j < r.top_k; ++j) {
+      const int32_t node = chosen[n * r.top_k + j];
+      if (node < 0) continue;
+      Out& o = out[node];
+      if (o.rows.empty() || o.rows.back() != n) {
+        if (!o.rows.empty()) o.m.row_offsets.push_back(static_cast<uint32_t>(o.m.pairs.size()));
+        o.rows.push_back(static_cast<int32_t>(n));
+      }
+      o.m.pairs.push_back({static_cast<uint32_t>(r.idx[n * r.top_k + j]), r.w[n * r.top_k + j]});
+    }
+  const size_t row_bytes = r.width * wire::RowDTypeSize(options_.dtype);
+  std::vector<std::byte> rows;
+  for (Out& o : out) {
+    if (o.rows.empty()) continue;
+    o.m.row_offsets.push_back(static_cast<uint32_t>(o.m.pairs.size()));
+    o.m.layer = static_cast<uint32_t>(r.layer);
+    o.m.placement_version = version;
+    o.m.dtype = options_.dtype;
+    o.m.width = static_cast<uint32_t>(r.width);
+    o.m.n_rows = static_cast<uint32_t>(o.rows.size());
+    o.m.request_id = next_wire_id_++;
+    rows.resize(o.rows.size() * row_bytes);
+    for (size_t i = 0; i < o.rows.size(); ++i)
+      K3_RETURN_IF_ERROR(wire::FromFloat(std::span<const float>(r.x + o.rows[i] * r.width, r.width), options_.dtype,
+                                         std::span<std::byte>(rows.data() + i * row_bytes, row_bytes)));
+    o.m.rows = rows;
+    K3_ASSIGN_OR_RETURN(o.buf, wire::Encode<dataplane::Buffer>(o.m));
+  }
+
+  lock.lock();
   const uint64_t ticket = next_ticket_++;
   Pending& pending = pending_[ticket];
   pending.rows = r.rows;
   pending.width = r.width;
   pending.start = absl::Now();
-  std::vector<std::pair<uint64_t, dataplane::Buffer>> sends;
-  std::vector<std::shared_ptr<Peer>> send_peers;
-  const size_t row_bytes = r.width * wire::RowDTypeSize(options_.dtype);
-  for (size_t node = 0; node < pt.nodes.size(); ++node) {
-    wire::ExpertRequest m;
-    m.layer = static_cast<uint32_t>(r.layer);
-    m.placement_version = pt.version;
-    m.dtype = options_.dtype;
-    m.width = static_cast<uint32_t>(r.width);
+  std::vector<std::tuple<std::shared_ptr<Peer>, uint64_t, dataplane::Buffer>> sends;
+  for (size_t node = 0; node < out.size(); ++node) {
+    if (out[node].rows.empty()) continue;
     Part part;
-    for (int64_t n = 0; n < r.rows; ++n) {
-      bool any = false;
-      for (int64_t j = 0; j < r.top_k; ++j)
-        if (chosen[n * r.top_k + j] == static_cast<int32_t>(node)) {
-          m.pairs.push_back({static_cast<uint32_t>(r.idx[n * r.top_k + j]), r.w[n * r.top_k + j]});
-          any = true;
-        }
-      if (any) {
-        part.rows.push_back(static_cast<int32_t>(n));
-        m.row_offsets.push_back(static_cast<uint32_t>(m.pairs.size()));
-      }
-    }
-    if (part.rows.empty()) continue;
-    m.n_rows = static_cast<uint32_t>(part.rows.size());
-    std::vector<std::byte> rows(part.rows.size() * row_bytes);
-    std::vector<float> gathered(part.rows.size() * r.width);
-    for (size_t i = 0; i < part.rows.size(); ++i)
-      std::memcpy(gathered.data() + i * r.width, r.x + part.rows[i] * r.width, r.width * sizeof(float));
-    K3_RETURN_IF_ERROR(wire::FromFloat(gathered, options_.dtype, rows));
-    m.rows = rows;
-    m.request_id = next_wire_id_++;
-    auto buf = wire::Encode<dataplane::Buffer>(m);
-    if (!buf.ok()) {
-      pending_.erase(ticket);
-      return buf.status();
-    }
     part.peer = node_peer[node];
+    part.rows = std::move(out[node].rows);
+    part.wire_id = out[node].m.request_id;
+    part.bytes_out = out[node].buf.size();
     part.peer->outstanding_rows += static_cast<int64_t>(part.rows.size());
-    part.bytes_out = buf->size();
-    parts_[m.request_id] = {ticket, pending.parts.size()};
+    parts_[part.wire_id] = {ticket, pending.parts.size()};
+    sends.emplace_back(part.peer, part.wire_id, std::move(out[node].buf));
     pending.parts.push_back(std::move(part));
-    sends.emplace_back(m.request_id, std::move(*buf));
-    send_peers.push_back(node_peer[node]);
   }
   pending.remaining = static_cast<int>(pending.parts.size());
   lock.unlock();
-  for (size_t i = 0; i < sends.size(); ++i) {
-    const uint64_t wire_id = sends[i].first;
-    send_peers[i]->conn->Send(std::move(sends[i].second), [this, wire_id](absl::Status s) {
-      if (!s.ok()) FinishPart(wire_id, s, {}, 0);
+  for (auto& [peer, wire_id, buf] : sends) {
+    peer->conn->Send(std::move(buf), [this, id = wire_id](absl::Status s) {
+      if (!s.ok()) FinishPart(id, s, {}, 0);
     });
   }
   return ticket;
@@ -205,7 +215,7 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
     if (!part.done) part.peer->outstanding_rows -= static_cast<int64_t>(part.rows.size());
     release.push_back(std::move(part.peer));
   }
-  for (auto pit = parts_.begin(); pit != parts_.end();) pit = pit->second.first == ticket ? parts_.erase(pit) : std::next(pit);
+  for (const Part& part : p.parts) parts_.erase(part.wire_id);
   pending_.erase(it);
   // A peer that left the placement closes with its last part.
   std::vector<std::unique_ptr<dataplane::Connection>> closing;

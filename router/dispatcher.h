@@ -55,6 +55,7 @@ class Dispatcher : public ExpertExecutor {
     std::shared_ptr<Peer> peer;
     std::vector<int32_t> rows;  // request rows this node sums
     std::vector<float> sums;    // [rows, width] once replied
+    uint64_t wire_id = 0;       // the message's request id
     bool done = false;
     size_t bytes_out = 0;
   };
@@ -81,7 +82,7 @@ class Dispatcher : public ExpertExecutor {
   std::map<uint64_t, Pending> pending_;                 // by ticket
   std::map<uint64_t, std::pair<uint64_t, size_t>> parts_;  // wire request id -> (ticket, part)
   uint64_t next_ticket_ = 1;
-  uint64_t next_wire_id_ = 1;
+  std::atomic<uint64_t> next_wire_id_{1};  // taken outside mu_, while messages are encoded
 };
 
 }  // namespace k3::router

@@ -7,7 +7,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config clang libclang-rt-14-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev ucx-utils libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev nlohmann-json3-dev
-  libopenblas-dev prometheus python3 python3-grpcio python3-grpc-tools python3-numpy
+  libopenblas-dev prometheus python3 python3-grpcio python3-grpc-tools
 )
 
 missing=()
