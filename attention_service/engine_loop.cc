@@ -19,7 +19,7 @@ void TokenStream::Push(StepOutput o) {
 }
 
 EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
-    : engine_(backend, options), on_step_(std::move(on_step)) {
+    : engine_(backend, options), max_context_(engine_.max_context()), on_step_(std::move(on_step)) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -32,10 +32,9 @@ absl::StatusOr<std::shared_ptr<TokenStream>> EngineLoop::Add(uint64_t id, std::v
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("server is shutting down");
-    AddCmd cmd{id, std::move(prompt), p, {}};
+    AddCmd cmd{id, std::move(prompt), p, stream, {}};
     done = cmd.done.get_future();
     commands_.push_back(std::move(cmd));
-    streams_pending_.emplace(id, stream);
   }
   cv_.notify_all();
   absl::Status s = done.get();
@@ -68,16 +67,11 @@ void EngineLoop::Run() {
       cv_.wait(lock, [&] { return !commands_.empty() || engine_.HasWork() || stopping_; });
       if (stopping_ && commands_.empty() && !engine_.HasWork()) return;
       cmds.swap(commands_);
-      for (auto& c : cmds)
-        if (auto* add = std::get_if<AddCmd>(&c)) {
-          streams_[add->id] = streams_pending_[add->id];
-          streams_pending_.erase(add->id);
-        }
     }
     for (auto& c : cmds) {
       if (auto* add = std::get_if<AddCmd>(&c)) {
         const absl::Status s = engine_.Add(add->id, std::move(add->prompt), add->params);
-        if (!s.ok()) streams_.erase(add->id);
+        if (s.ok()) streams_[add->id] = std::move(add->stream);
         add->done.set_value(s);
       } else {
         const uint64_t id = std::get<AbortCmd>(c).id;

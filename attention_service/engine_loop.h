@@ -44,12 +44,15 @@ class EngineLoop {
   void Abort(uint64_t id);
   // Finishes the requests in flight, then stops (no new ones are admitted meanwhile).
   void Stop();
+  // Prompt + generated tokens a request may reach.
+  int64_t max_context() const { return max_context_; }
 
  private:
   struct AddCmd {
     uint64_t id;
     std::vector<int32_t> prompt;
     SamplingParams params;
+    std::shared_ptr<TokenStream> stream;  // the engine thread keeps it once the request is admitted
     std::promise<absl::Status> done;
   };
   struct AbortCmd {
@@ -58,13 +61,13 @@ class EngineLoop {
   void Run();
 
   Engine engine_;
+  const int64_t max_context_;
   OnStep on_step_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::variant<AddCmd, AbortCmd>> commands_;
   bool stopping_ = false;
-  std::map<uint64_t, std::shared_ptr<TokenStream>> streams_pending_;  // under mu_, until the engine takes them
-  std::map<uint64_t, std::shared_ptr<TokenStream>> streams_;          // engine thread only
+  std::map<uint64_t, std::shared_ptr<TokenStream>> streams_;  // engine thread only
   std::thread thread_;
 };
 

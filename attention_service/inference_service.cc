@@ -28,10 +28,9 @@ InferenceService::InferenceService(InferenceOptions options, metrics::Registry& 
   m_generated_tokens_ = &metrics::Must(reg.AddCounter("k3serve_generation_tokens_total", "Generated tokens."))->WithLabels();
 }
 
-void InferenceService::Attach(const ModelConfig& config, EngineLoop& loop, int64_t max_context) {
-  max_context_ = max_context;
+void InferenceService::Attach(const ModelConfig& config, EngineLoop& loop) {
+  loop_ = &loop;  // first: GetModelInfo reads the loop once it sees the config
   config_ = &config;
-  loop_ = &loop;
 }
 
 grpc::Status InferenceService::Finish(const grpc::Status& s) {
@@ -149,7 +148,7 @@ grpc::Status InferenceService::GetModelInfo(grpc::ServerContext*, const v1::GetM
   const ModelConfig& c = *config;
   resp->set_name(options_.model_name);
   resp->set_vocab_size(c.vocab_size);
-  resp->set_max_context(max_context_);
+  resp->set_max_context(loop_.load()->max_context());
   resp->set_max_tokens_limit(options_.max_tokens_limit);
   resp->set_num_layers(c.num_layers);
   resp->set_num_experts(c.num_experts);

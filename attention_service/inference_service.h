@@ -29,7 +29,7 @@ class InferenceService final : public v1::Inference::Service {
   // The server starts (health NOT_SERVING) before the weights are loaded; requests get UNAVAILABLE
   // until Attach.
   InferenceService(InferenceOptions options, metrics::Registry& registry);
-  void Attach(const ModelConfig& config, EngineLoop& loop, int64_t max_context);
+  void Attach(const ModelConfig& config, EngineLoop& loop);
 
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
@@ -42,7 +42,6 @@ class InferenceService final : public v1::Inference::Service {
   const InferenceOptions options_;
   std::atomic<const ModelConfig*> config_{nullptr};
   std::atomic<EngineLoop*> loop_{nullptr};
-  int64_t max_context_ = 0;
   std::atomic<uint64_t> next_id_{1};
   std::mutex mu_;
   std::map<std::string, uint64_t> by_request_id_;  // live requests that named themselves

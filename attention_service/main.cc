@@ -244,7 +244,7 @@ int main(int argc, char** argv) {
     state_bytes->Set(static_cast<double>(s.state_bytes));
   });
   experts_ready = &dispatcher;
-  service.Attach(config, loop, k3::Engine(*backend, eopt).max_context());
+  service.Attach(config, loop);
   std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),
                model_name.c_str(), grpc->port, http ? http->port() : -1);
   // Health follows the experts: SERVING only with a complete, connected placement.
