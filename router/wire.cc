@@ -264,14 +264,23 @@ absl::StatusOr<MessageType> PeekType(std::span<const std::byte> msg) {
   return static_cast<MessageType>(type);
 }
 
+namespace {
+
+// A message of type t whose header checks out and that holds at least its fixed fields; the reader
+// stands after the header.
+absl::StatusOr<Reader> OpenFixed(std::span<const std::byte> msg, MessageType t, size_t fixed) {
+  K3_RETURN_IF_ERROR(CheckHeader(msg, t));
+  if (msg.size() < kHeaderSize + fixed)
+    return Malformed(t, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + fixed);
+  return Reader(msg, kHeaderSize);
+}
+
+}  // namespace
+
 absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg,
                                                   const DecodeLimits& limits) {
   constexpr MessageType kT = MessageType::kExpertRequest;
-  K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
-  if (msg.size() < kHeaderSize + kRequestFixed)
-    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(),
-                     kHeaderSize + kRequestFixed);
-  Reader r(msg, kHeaderSize);
+  K3_ASSIGN_OR_RETURN(Reader r, OpenFixed(msg, kT, kRequestFixed));
   ExpertRequest m;
   m.request_id = r.Get<uint64_t>();
   m.placement_version = r.Get<uint64_t>();
@@ -307,10 +316,7 @@ absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg
 
 absl::StatusOr<ExpertReply> DecodeExpertReply(std::span<const std::byte> msg) {
   constexpr MessageType kT = MessageType::kExpertReply;
-  K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
-  if (msg.size() < kHeaderSize + kReplyFixed)
-    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + kReplyFixed);
-  Reader r(msg, kHeaderSize);
+  K3_ASSIGN_OR_RETURN(Reader r, OpenFixed(msg, kT, kReplyFixed));
   ExpertReply m;
   m.request_id = r.Get<uint64_t>();
   const auto dtype = r.Get<uint8_t>();
@@ -334,10 +340,7 @@ absl::StatusOr<ExpertReply> DecodeExpertReply(std::span<const std::byte> msg) {
 
 absl::StatusOr<ErrorReply> DecodeErrorReply(std::span<const std::byte> msg) {
   constexpr MessageType kT = MessageType::kErrorReply;
-  K3_RETURN_IF_ERROR(CheckHeader(msg, kT));
-  if (msg.size() < kHeaderSize + kErrorFixed)
-    return Malformed(kT, "truncated: %d bytes, fixed fields need %d", msg.size(), kHeaderSize + kErrorFixed);
-  Reader r(msg, kHeaderSize);
+  K3_ASSIGN_OR_RETURN(Reader r, OpenFixed(msg, kT, kErrorFixed));
   ErrorReply m;
   m.request_id = r.Get<uint64_t>();
   const auto code = r.Get<uint32_t>();
