@@ -19,26 +19,19 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 import time
-import types
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../kernels/cuda/anchors"))
+from fla_package import import_fla_package  # noqa: E402
+
 
 def import_fla():
-    # fla.ops without fla/__init__.py (which imports its layers and models, and transformers with them). The
-    # KDA ops are also set on the package itself: transformers resolves `fla.chunk_kda` when it imports the
+    # The KDA ops are also set on the package itself: transformers resolves `fla.chunk_kda` when it imports the
     # Kimi-Linear modeling file, and takes its torch fallbacks if that fails.
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("flash-linear-attention not on PYTHONPATH")
-    pkg = types.ModuleType("fla")
-    pkg.__path__ = list(spec.submodule_search_locations)
-    init = open(os.path.join(pkg.__path__[0], "__init__.py")).read()
-    pkg.__version__ = re.search(r'__version__ = "([^"]+)"', init).group(1)
-    sys.modules["fla"] = pkg
+    pkg = import_fla_package()
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     pkg.chunk_kda = chunk_kda

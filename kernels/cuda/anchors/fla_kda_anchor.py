@@ -12,30 +12,21 @@ state, final state out. Inputs are drawn as the bench draws them (the trained-mo
     PYTHONPATH=.fla python3 kernels/cuda/anchors/fla_kda_anchor.py --out fla.json
 """
 import argparse
-import importlib.util
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
-import types
 
 import torch
 import triton
 
+from fla_package import import_fla_package  # beside this script
+
 
 def import_fla_kda():
-    # Import fla.ops without fla/__init__.py, which pulls in its layers and models (and transformers).
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("flash-linear-attention not on PYTHONPATH")
-    pkg = types.ModuleType("fla")
-    pkg.__path__ = list(spec.submodule_search_locations)
-    init = open(os.path.join(pkg.__path__[0], "__init__.py")).read()
-    pkg.__version__ = re.search(r'__version__ = "([^"]+)"', init).group(1)
-    sys.modules["fla"] = pkg
+    import_fla_package()
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     return chunk_kda, fused_recurrent_kda_fwd
