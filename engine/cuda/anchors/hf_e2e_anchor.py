@@ -15,7 +15,6 @@ norm weights near 1, KDA A_log / dt_bias in the trained range, a small router bi
 over the experts as a trained model's does.
 """
 import argparse
-import importlib.util
 import json
 import math
 import os
