@@ -5,6 +5,7 @@
 //
 //   k3serve-bench-e2e --model DIR [--batch 64] [--prompt 512] [--steps 32] [--anchor hf.json] [--json out.json]
 //   k3serve-bench-e2e --config config.json [--seed 1] ...     (random weights drawn on the device)
+//   k3serve-bench-e2e --config tools/configs/k3-mini.json --share-experts   (175 GB of experts in 59)
 // --profile adds the device time of each stage of a decode step.
 #include <cuda_runtime.h>
 
@@ -29,6 +30,10 @@
 ABSL_FLAG(std::string, model, "", "model directory (config.json + safetensors)");
 ABSL_FLAG(std::string, config, "", "config.json for random weights on the device (instead of --model)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the random weights (--config)");
+ABSL_FLAG(bool, share_experts, false,
+          "every MoE layer uses the first one's routed experts (models larger than the GPU, e.g. k3-mini; see "
+          "CudaModelOptions::share_routed_experts)");
+ABSL_FLAG(bool, graphs, true, "decode steps as CUDA graphs (CudaModelOptions::cuda_graphs)");
 ABSL_FLAG(bool, profile, false, "print the device time of each stage of a decode step");
 ABSL_FLAG(int, batch, 64, "sequences decoding together");
 ABSL_FLAG(int, prompt, 512, "prompt tokens per sequence");
@@ -96,6 +101,8 @@ int Run() {
   opt.max_seqs = B;
   opt.max_context = P + W + S + kProfileSteps + 2;
   opt.max_batch_tokens = std::max(P, absl::GetFlag(FLAGS_prefill_tokens));
+  opt.share_routed_experts = absl::GetFlag(FLAGS_share_experts);
+  opt.cuda_graphs = absl::GetFlag(FLAGS_graphs);
   const auto t_load = Clock::now();
   absl::StatusOr<std::unique_ptr<cuda::CudaModel>> loaded;
   if (config_path.empty()) {
@@ -115,10 +122,11 @@ int Run() {
   cuda::CudaModel& model = **loaded;
   const ModelConfig& c = model.config();
   std::printf("model %s: d %ld, %ld layers (KDA %d, MLA %d), %ld experts top-%ld of width %ld, vocab %ld; "
-              "%.2f GB of weights on the device (loaded in %.1f s)\n",
+              "%.2f GB of weights%s (loaded in %.1f s)\n",
               dir.c_str(), long(c.hidden_size), long(c.num_layers), c.num_kda_layers(), c.num_mla_layers(),
               long(c.num_experts), long(c.top_k), long(c.moe_intermediate_size), long(c.vocab_size),
-              model.weight_bytes() * 1e-9, std::chrono::duration<double>(Clock::now() - t_load).count());
+              model.weight_bytes() * 1e-9, opt.share_routed_experts ? " (MoE layers share one bank of experts)" : "",
+              std::chrono::duration<double>(Clock::now() - t_load).count());
 
   // Prefill: random prompts, as many sequences per forward as the token budget takes.
   std::mt19937 rng(1);

@@ -22,7 +22,7 @@
 #include "kernels/cuda/kda_small.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/mla.cuh"
-#include "kernels/cuda/moe_grouped.cuh"
+#include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/sampling.cuh"
 
@@ -50,13 +50,19 @@ struct GluW {
   bf16 *gate_up = nullptr, *down = nullptr;  // [2I, d] (gate rows, then up rows), [d, I]
   int64_t I = 0;
 };
+// One layer's routed experts: device arrays of E pointers (W1 [I, ℓ], W3 [I, ℓ], W2 [ℓ, I] per expert).
+struct RoutedExperts {
+  const bf16* const* w1 = nullptr;
+  const bf16* const* w3 = nullptr;
+  const bf16* const* w2 = nullptr;
+};
 struct MoeW {
   bf16* router = nullptr;
   float* bias = nullptr;
   GluW shared;
   bf16 *latent_down = nullptr, *latent_up = nullptr;
   float* latent_norm = nullptr;
-  ExpertStack experts;
+  RoutedExperts experts;
 };
 struct LayerW {
   float *input_norm = nullptr, *post_norm = nullptr;
@@ -68,26 +74,34 @@ struct LayerW {
 };
 
 LinearAct Act(const ModelConfig& c) { return c.act == Activation::kSitu ? LinearAct::kSitu : LinearAct::kSilu; }
+GluAct ExpertAct(const ModelConfig& c) { return c.act == Activation::kSitu ? GluAct::kSitu : GluAct::kSilu; }
 
 }  // namespace
 
-// The routed experts of every MoE layer in this process: GroupedExperts over the stacked expert weights.
+// The routed experts of every MoE layer in this process: kernels/cuda/moe.cuh (the expert node's kernels) on
+// the split rows, its tiled path with h and the expert outputs in two planes, the sum in fp32.
 class LocalCudaExperts : public CudaExpertExecutor {
  public:
   absl::Status Run(const CudaExpertRequest& r, float* out, cudaStream_t stream) override {
-    const ExpertStack& e = (*layers)[r.layer].moe.experts;
-    if (r.width != e.D || r.top_k != config->top_k)
-      return absl::InvalidArgumentError(absl::StrCat("expert request shape (width ", r.width, ", k ", r.top_k,
-                                                     ") does not match layer ", r.layer));
-    K3_CUDA_OK(GroupedExperts(r.rows, r.top_k, r.x, r.idx, r.w, e, Act(*config), config->situ_beta,
-                              config->situ_linear_beta, out, hits + r.layer, workspace, stream));
+    const RoutedExperts& e = (*layers)[r.layer].moe.experts;
+    if (r.width != config->expert_width() || r.top_k != config->top_k || r.x.ld != r.width || r.rows > max_rows)
+      return absl::InvalidArgumentError(absl::StrCat("expert request shape (rows ", r.rows, ", width ", r.width,
+                                                     ", k ", r.top_k, ") does not match layer ", r.layer));
+    MoeExpertsArgs a;
+    a.N = r.rows, a.D = r.width, a.I = config->moe_intermediate_size, a.top_k = r.top_k;
+    a.num_experts = config->num_experts, a.x = r.x.p, a.x_lo = r.x.lo, a.idx = r.idx, a.w = r.w;
+    a.w1 = e.w1, a.w3 = e.w3, a.w2 = e.w2, a.act = ExpertAct(*config);
+    a.situ_beta = config->situ_beta, a.situ_linear_beta = config->situ_linear_beta;
+    a.out_f32 = out, a.experts_hit = hits + r.layer;
+    K3_CUDA_OK(MoeExperts(a, MoeGemm::kTiled, workspace, stream));
     return absl::OkStatus();
   }
 
   const ModelConfig* config = nullptr;
   const std::vector<LayerW>* layers = nullptr;
-  void* workspace = nullptr;  // GroupedExpertsWorkspaceBytes for max_batch_tokens rows
-  int32_t* hits = nullptr;    // [layers] device: experts hit by the last request of each layer
+  MoeWorkspace workspace;  // for max_rows rows
+  int64_t max_rows = 0;
+  int32_t* hits = nullptr;  // [layers] device: experts hit by the last request of each layer
 };
 
 struct CudaModel::Impl {
@@ -132,6 +146,8 @@ struct CudaModel::Impl {
   LocalCudaExperts local_experts;
   CudaExpertExecutor* experts = nullptr;
 
+  std::map<std::pair<int64_t, int64_t>, cudaGraphExec_t> graphs;  // decode batches by (tokens, logit rows)
+
   // Profiling: events around stages, harvested after each forward.
   bool profile = false;
   std::vector<std::tuple<const char*, cudaEvent_t, cudaEvent_t>> marks;
@@ -154,6 +170,7 @@ struct CudaModel::Impl {
   }
 
   ~Impl() {
+    for (auto& [shape, exec] : graphs) cudaGraphExecDestroy(exec);
     if (stream) cudaStreamDestroy(stream);
     for (void* p : allocations) cudaFree(p);
     cudaFreeHost(meta_host);
@@ -201,11 +218,12 @@ struct CudaModel::Impl {
   absl::Status Moe(int64_t l, int64_t N);
   absl::Status Glu(const GluW& g, Split in, int64_t N);
 
+  LinearBlas blas;  // every dense product
   cudaError_t Lin(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
                   int64_t y_lo = 0) {
     LinearArgs la;
     la.N = n, la.K = k, la.w = w, la.x = in, la.y = y, la.ldy = ldy, la.y_lo = y_lo, la.out = out, la.M = M;
-    return Linear(la, stream);
+    return blas.Run(la, stream);
   }
   cudaError_t LinSplit(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, Split y) {
     return Lin(w, n, k, in, M, y.p, y.ld, LinearOut::kSplit, y.lo);
@@ -338,6 +356,8 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
   namespace n = names;
   const int64_t d = c.hidden_size, V = c.vocab_size, L = c.num_layers;
   const int64_t start = allocated;
+  int64_t routed = 0;             // bytes of routed experts (and their pointer arrays)
+  RoutedExperts shared_experts;   // the first MoE layer's (share_routed_experts)
   auto bf = [&](int64_t count) { return Alloc<bf16>(count); };
   auto f32 = [&](int64_t count) { return Alloc<float>(count); };
   auto layer = [](int64_t l, const char* s) { return n::Layer(l, s); };
@@ -473,18 +493,26 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
     }
     expert_bytes = 3 * I * X * 2;
     if (!opt.routed_experts) continue;
+    if (opt.share_routed_experts && shared_experts.w1) {
+      e.experts = shared_experts;
+      continue;
+    }
+    const int64_t before = allocated;
     K3_ASSIGN_OR_RETURN(bf16 * w13, bf(E * 2 * I * X));
     K3_ASSIGN_OR_RETURN(bf16 * w2, bf(E * X * I));
+    std::vector<const bf16*> ptrs(3 * E);  // W1 pointers, W3, W2
     for (int64_t x = 0; x < E; ++x) {
+      ptrs[x] = w13 + x * 2 * I * X, ptrs[E + x] = ptrs[x] + I * X, ptrs[2 * E + x] = w2 + x * X * I;
       K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW1), w13 + x * 2 * I * X));
       K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW3), w13 + x * 2 * I * X + I * X));
       K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW2), w2 + x * X * I));
     }
-    e.experts = ExpertStack{w13, w2, E, X, I};
+    K3_ASSIGN_OR_RETURN(const bf16** dp, Alloc<const bf16*>(3 * E));
+    K3_CUDA_OK(cudaMemcpy(dp, ptrs.data(), 3 * E * sizeof(bf16*), cudaMemcpyHostToDevice));
+    e.experts = RoutedExperts{dp, dp + E, dp + 2 * E};
+    shared_experts = e.experts;
+    routed += allocated - before;
   }
-  int64_t routed = 0;
-  for (int64_t l = 0; l < L && opt.routed_experts; ++l)
-    if (c.mlp[l] == Mlp::kMoe) routed += c.num_experts * expert_bytes;
   weight_bytes = allocated - start - routed;  // everything but the routed experts
   K3_CUDA_OK(cudaDeviceSynchronize());
   return absl::OkStatus();
@@ -555,9 +583,13 @@ absl::Status CudaModel::Impl::AllocWork() {
       K3_ASSIGN_OR_RETURN(z, AllocSplit(N, X));
       K3_ASSIGN_OR_RETURN(zn, AllocSplit(N, X));
     }
-    K3_ASSIGN_OR_RETURN(char* ws, Alloc<char>(GroupedExpertsWorkspaceBytes(N, k, E, X, c.moe_intermediate_size)));
-    local_experts.workspace = ws;
+    K3_CUDA_OK(local_experts.workspace.Reserve(N * k, X, c.moe_intermediate_size, E));
+    local_experts.max_rows = N;
   }
+  // The dense products: a workspace for chunks of up to 256 rows of the widest one.
+  int64_t widest = std::max({c.vocab_size, 2 * hidden_cols, win_cols, c.num_experts, HD, ov, d});
+  int64_t deepest = std::max({d, HD, ov, hidden_cols, c.expert_width(), c.q_lora_rank});
+  K3_CUDA_OK(blas.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), widest, deepest)));
   K3_ASSIGN_OR_RETURN(hits, Alloc<int32_t>(L));
   K3_CUDA_OK(cudaMemset(hits, 0, L * sizeof(int32_t)));
   K3_ASSIGN_OR_RETURN(ids, Alloc<int32_t>(N));
@@ -579,7 +611,7 @@ absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N) {
   la.N = 2 * g.I, la.K = c.hidden_size, la.w = g.gate_up, la.x = in;
   la.y = hid.p, la.ldy = hid.ld, la.y_lo = hid.lo, la.out = LinearOut::kSplit, la.M = N;
   la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
-  K3_CUDA_OK(Linear(la, stream));
+  K3_CUDA_OK(blas.Run(la, stream));
   K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, x, c.hidden_size, LinearOut::kF32Add));
   return absl::OkStatus();
 }
@@ -695,8 +727,11 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   // Front: router, top-k, latent down-projection.
   std::optional<Phase> phase(std::in_place, *this, "moe.router");
   K3_CUDA_OK(Lin(w.router, E, d, m, N, rlogits, E, LinearOut::kF32));
-  const RouterDims rd{E, k, c.num_expert_group, c.topk_group, c.moe_renormalize, c.routed_scaling_factor};
-  K3_CUDA_OK(SelectExperts(N, rd, rlogits, w.bias, idx, wts, stream));
+  RouterArgs ra;
+  ra.N = N, ra.num_experts = E, ra.top_k = k, ra.num_groups = c.num_expert_group, ra.topk_groups = c.topk_group;
+  ra.renormalize = c.moe_renormalize, ra.scale = c.routed_scaling_factor;
+  ra.logits = rlogits, ra.bias = w.bias, ra.idx = idx, ra.w = wts;
+  K3_CUDA_OK(RouteTopK(ra, stream));
   Split rows = m;
   if (w.latent_down) {
     K3_CUDA_OK(LinSplit(w.latent_down, X, d, m, N, z));
@@ -804,61 +839,90 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
   K3_CUDA_OK(cudaMemcpyAsync(meta, meta_host, used * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   const int64_t R = static_cast<int64_t>(cols[kRows].size());
 
+  if (R > logits_rows) {
+    K3_CUDA_OK(cudaStreamSynchronize(stream));
+    for (auto& [shape, exec] : graphs) cudaGraphExecDestroy(exec);  // they write the old logits
+    graphs.clear();
+    if (logits) {
+      allocations.erase(std::find(allocations.begin(), allocations.end(), logits));
+      K3_CUDA_OK(cudaFree(logits));
+      logits = nullptr;
+    }
+    const int64_t rows = std::max(R, opt.max_seqs);
+    K3_ASSIGN_OR_RETURN(logits, Alloc<float>(rows * V));
+    logits_rows = rows;
+  }
+
   // The layers (DESIGN §1.1; Block AttnRes §1.5: x is then the partial sum of the current block).
-  {
-    Phase p(*this, "embed");
-    K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
-  }
-  const bool attn_res = c.attn_res_block > 0;
-  int64_t banked = 0;
-  auto read = [&](const float* w, const float* n) -> absl::StatusOr<const float*> {
-    if (!attn_res) return x;
-    K3_CUDA_OK(AttnResRead(N, d, bank, cap * d, banked, x, w, n, c.rms_norm_eps, hread, stream));
-    return hread;
-  };
-  for (int64_t l = 0; l < L; ++l) {
-    const LayerW& w = layers[l];
-    std::optional<Phase> phase(std::in_place, *this, "norm");
-    K3_ASSIGN_OR_RETURN(const float* h, read(w.attn_res_w, w.attn_res_n));
-    K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.input_norm, c.rms_norm_eps, a, stream));
-    if (attn_res && l % c.attn_res_block == 0) {  // the partial sum closes a block
-      K3_CUDA_OK(cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      K3_CUDA_OK(cudaMemsetAsync(x, 0, N * d * sizeof(float), stream));
-      ++banked;
+  auto enqueue = [&]() -> absl::Status {
+    {
+      Phase p(*this, "embed");
+      K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
     }
-    phase.reset();
-    if (c.mixer[l] == Mixer::kKda) {
-      K3_RETURN_IF_ERROR(Kda(l, N, nd, C, cu_host, md));
-    } else {
-      K3_RETURN_IF_ERROR(Mla(l, N, nd, pre_start, pre_len, pre_pos, pre_slot, md));
-    }
-    phase.emplace(*this, "norm");
-    K3_ASSIGN_OR_RETURN(h, read(w.mlp_res_w, w.mlp_res_n));
-    K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.post_norm, c.rms_norm_eps, m, stream));
-    phase.reset();
-    if (c.mlp[l] == Mlp::kDense) {
-      Phase p(*this, "dense");
-      K3_RETURN_IF_ERROR(Glu(w.dense, m, N));
-    } else {
-      K3_RETURN_IF_ERROR(Moe(l, N));
-    }
-  }
-  Phase head(*this, "lm_head");
-  K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
-  if (R > 0) {
-    if (R > logits_rows) {
-      K3_CUDA_OK(cudaStreamSynchronize(stream));
-      if (logits) {
-        allocations.erase(std::find(allocations.begin(), allocations.end(), logits));
-        K3_CUDA_OK(cudaFree(logits));
-        logits = nullptr;
+    const bool attn_res = c.attn_res_block > 0;
+    int64_t banked = 0;
+    auto read = [&](const float* w, const float* n) -> absl::StatusOr<const float*> {
+      if (!attn_res) return x;
+      K3_CUDA_OK(AttnResRead(N, d, bank, cap * d, banked, x, w, n, c.rms_norm_eps, hread, stream));
+      return hread;
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerW& w = layers[l];
+      std::optional<Phase> phase(std::in_place, *this, "norm");
+      K3_ASSIGN_OR_RETURN(const float* h, read(w.attn_res_w, w.attn_res_n));
+      K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.input_norm, c.rms_norm_eps, a, stream));
+      if (attn_res && l % c.attn_res_block == 0) {  // the partial sum closes a block
+        K3_CUDA_OK(cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+        K3_CUDA_OK(cudaMemsetAsync(x, 0, N * d * sizeof(float), stream));
+        ++banked;
       }
-      const int64_t rows = std::max(R, opt.max_seqs);
-      K3_ASSIGN_OR_RETURN(logits, Alloc<float>(rows * V));
-      logits_rows = rows;
+      phase.reset();
+      if (c.mixer[l] == Mixer::kKda) {
+        K3_RETURN_IF_ERROR(Kda(l, N, nd, C, cu_host, md));
+      } else {
+        K3_RETURN_IF_ERROR(Mla(l, N, nd, pre_start, pre_len, pre_pos, pre_slot, md));
+      }
+      phase.emplace(*this, "norm");
+      K3_ASSIGN_OR_RETURN(h, read(w.mlp_res_w, w.mlp_res_n));
+      K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.post_norm, c.rms_norm_eps, m, stream));
+      phase.reset();
+      if (c.mlp[l] == Mlp::kDense) {
+        Phase p(*this, "dense");
+        K3_RETURN_IF_ERROR(Glu(w.dense, m, N));
+      } else {
+        K3_RETURN_IF_ERROR(Moe(l, N));
+      }
     }
-    K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, fn, stream));
-    K3_CUDA_OK(Lin(lm_head, V, d, fn, R, logits, V, LinearOut::kF32));
+    Phase head(*this, "lm_head");
+    K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
+    if (R > 0) {
+      K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, fn, stream));
+      K3_CUDA_OK(Lin(lm_head, V, d, fn, R, logits, V, LinearOut::kF32));
+    }
+    return absl::OkStatus();
+  };
+
+  // A decode-only batch replays a CUDA graph of its shape: one launch instead of ~20 per layer. The shapes of
+  // everything it enqueues depend on (N, R) alone; positions, slots and lengths are read on the device from
+  // the metadata uploaded above. Not while profiling, nor with remote experts (their bridge waits on the host).
+  if (opt.cuda_graphs && nd == C && !profile && experts == &local_experts) {
+    auto it = graphs.find({N, R});
+    if (it == graphs.end()) {
+      K3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const absl::Status st = enqueue();
+      cudaGraph_t graph = nullptr;
+      const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+      K3_RETURN_IF_ERROR(st);
+      K3_CUDA_OK(end);
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      K3_CUDA_OK(inst);
+      it = graphs.emplace(std::make_pair(N, R), exec).first;
+    }
+    K3_CUDA_OK(cudaGraphLaunch(it->second, stream));
+  } else {
+    K3_RETURN_IF_ERROR(enqueue());
   }
   for (const GpuChunk& ch : chunks) positions[ch.slot] += static_cast<int64_t>(ch.tokens.size());
   *out_rows = R;
@@ -879,6 +943,8 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
     if (D != 64 && D != 128 && D > kKdaSmallMaxD)
       return absl::UnimplementedError(absl::StrCat("KDA head_dim ", D, " (the GPU path takes 64, 128 or ≤ 32)"));
   }
+  if (config.num_experts > 1024)
+    return absl::UnimplementedError(absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));
   auto impl = std::make_unique<Impl>();
   impl->c = config;
   impl->opt = options;

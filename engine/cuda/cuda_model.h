@@ -32,6 +32,12 @@ struct CudaModelOptions {
   // false: the routed experts stay on expert nodes (an attention node); a CudaExpertExecutor must be
   // set before the first Forward.
   bool routed_experts = true;
+  // Benchmarks of models larger than the GPU (k3-mini): every MoE layer uses the first MoE layer's routed
+  // experts. Each layer still streams its experts from HBM (a layer's bank, tens of GB, is far larger than L2),
+  // so decode time is that of distinct weights; the logits are not those of any checkpoint.
+  bool share_routed_experts = false;
+  // Decode-only batches run as CUDA graphs, one per (tokens, logit rows), captured on first use.
+  bool cuda_graphs = true;
 };
 
 // One sequence's tokens in a batch (as k3::SeqChunk); its state is the slot's.

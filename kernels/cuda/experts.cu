@@ -187,12 +187,14 @@ struct TileArgs {
   const bf16* const* wa;        // W1 (gate/up) or W2 (down), [M, K] per expert
   const bf16* const* wb;        // W3 (gate/up)
   const bf16* src;              // x [N, K] (gate/up) or h [P, K] (down)
+  int64_t src_lo;               // split src: offset of its lo plane (elements); 0: plain bf16
   const int32_t* slot_pair;     // gate/up: row of slot s is slot_pair[s] / top_k; down: null, row = s
   int top_k;
   const int2* tiles;
   const int32_t* num_tiles;
   const int32_t* offsets;
   bf16* dst;                    // [P, M]
+  int64_t dst_lo;               // split dst: offset of its lo plane; 0: plain bf16
   GluAct act;
   float beta1, beta2;
 };
@@ -211,7 +213,11 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
   const int2 tile = a.tiles[blockIdx.y];
   const int e = tile.x, s0 = tile.y;
-  const int nt = min(kTokens, a.offsets[e + 1] - s0);
+  // A split src takes two token rows per slot: hi planes in rows [0, half), lo planes in [half, kTokens); the
+  // epilogue adds the two accumulators (x·W = hi·W + lo·W) before the activation.
+  const bool split = a.src_lo != 0;
+  constexpr int half = kTokens / 2;
+  const int nt = min(split ? half : kTokens, a.offsets[e + 1] - s0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int K = a.K, M = a.M;
   constexpr int kFeatures = kGlu ? kRows / 2 : kRows;  // output features per CTA
@@ -222,7 +228,7 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   const int ch = tid & 7;
   const bf16* wa = a.wa[e];
   const bf16* wb = kGlu ? a.wb[e] : wa;
-  const int n_rows = (nt + 15) & ~15;  // token rows the MMAs read
+  const int n_rows = split ? kTokens : (nt + 15) & ~15;  // token rows the MMAs read
   const bf16* wrow[4];
   const bf16* xrow[kXCopies];
   bool wvalid[4], xvalid[kXCopies];
@@ -235,10 +241,10 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   }
 #pragma unroll
   for (int i = 0; i < kXCopies; ++i) {
-    const int r = tid / 8 + kThreads / 8 * i;
-    xvalid[i] = r < nt;
-    const int64_t src_row = !xvalid[i] ? 0 : a.slot_pair ? a.slot_pair[s0 + r] / a.top_k : s0 + r;
-    xrow[i] = a.src + src_row * K;
+    const int r = tid / 8 + kThreads / 8 * i, t = split ? r % half : r;
+    xvalid[i] = t < nt;
+    const int64_t src_row = !xvalid[i] ? 0 : a.slot_pair ? a.slot_pair[s0 + t] / a.top_k : s0 + t;
+    xrow[i] = a.src + (split && r >= half ? a.src_lo : 0) + src_row * K;
   }
   auto load = [&](int stage, int kt) {
     bf16* sw = smem + stage * kStageElems;
@@ -315,9 +321,12 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   for (int i = tid; i < nt * kFeatures; i += kThreads) {
     const int f = i % kFeatures, t = i / kFeatures;
     if (f0 + f >= M) continue;
-    const float v = kGlu ? Glu(a.act, so[f * kOutLd + t], so[(f + kFeatures) * kOutLd + t], a.beta1, a.beta2)
-                         : so[f * kOutLd + t];
-    a.dst[static_cast<int64_t>(s0 + t) * M + f0 + f] = __float2bfloat16(v);
+    auto dot = [&](int row) { return so[row * kOutLd + t] + (split ? so[row * kOutLd + t + half] : 0.0f); };
+    const float v = kGlu ? Glu(a.act, dot(f), dot(f + kFeatures), a.beta1, a.beta2) : dot(f);
+    bf16* d = a.dst + static_cast<int64_t>(s0 + t) * M + f0 + f;
+    const bf16 hi = __float2bfloat16(v);
+    d[0] = hi;
+    if (a.dst_lo) d[a.dst_lo] = __float2bfloat16(v - __bfloat162float(hi));
   }
 }
 
@@ -384,6 +393,22 @@ __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* p
   }
 }
 
+// The split path's sum: out[n] = Σ_j w[n, j] · (y_hi + y_lo)[pair_slot[n·k + j]] in j order, fp32 out.
+__global__ void CombineSplitKernel(int64_t N, int64_t D, int top_k, const int32_t* pair_slot, const float* w,
+                                   const bf16* y, int64_t y_lo, float* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * D; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = i / D, c = i % D;
+    float acc = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      const int s = pair_slot[n * top_k + j];
+      if (s < 0) continue;
+      const bf16* v = y + static_cast<int64_t>(s) * D + c;
+      acc += w[n * top_k + j] * (__bfloat162float(v[0]) + __bfloat162float(v[y_lo]));
+    }
+    out[i] = acc;
+  }
+}
+
 // The cuBLAS path's pointer arrays for the (W1, W3) problem pair of each expert: A = the weights, B = its
 // gathered rows (twice), C = the gate and up halves of its gu rows.
 __global__ void GateUpPointersKernel(int E, const int32_t* offsets, const bf16* const* w1, const bf16* const* w3,
@@ -403,6 +428,17 @@ unsigned GridFor(int64_t work, int threads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + threads - 1) / threads, 132 * 16)));
 }
 
+__global__ void CountHitsKernel(int E, const int32_t* counts, int32_t* hits) {
+  __shared__ int total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) mine += counts[e] > 0;
+  atomicAdd(&total, mine);
+  __syncthreads();
+  if (threadIdx.x == 0) *hits = total;
+}
+
 cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
 // 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 96 KB of weights in flight.
@@ -420,7 +456,9 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   }();
   if (attr != cudaSuccess) return attr;
   const int64_t P = a.N * a.top_k, E = a.num_experts;
-  const int64_t max_tiles = E + P / S::kTokens;  // Σ ceil(count / kTokens) ≤ E + P / kTokens
+  const bool split = a.x_lo != 0;
+  const int64_t tile_tokens = split ? S::kTokens / 2 : S::kTokens;
+  const int64_t max_tiles = E + P / tile_tokens;  // Σ ceil(count / tile_tokens) ≤ E + P / tile_tokens
   if (max_tiles > 65535) return cudaErrorInvalidValue;
   TileArgs t{};
   t.top_k = static_cast<int>(a.top_k);
@@ -429,11 +467,13 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   // gate/up → h
   t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
   t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
+  t.src_lo = a.x_lo, t.dst_lo = split ? b.max_pairs * b.I : 0;  // split: h and y keep 16 bits too
   dim3 grid(static_cast<unsigned>((a.I + S::kRows / 2 - 1) / (S::kRows / 2)), static_cast<unsigned>(max_tiles));
   ExpertTileKernel<true, S><<<grid, S::kThreads, S::kSmem, stream>>>(t);
   // down → y
   t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
   t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
+  t.src_lo = t.dst_lo, t.dst_lo = split ? b.max_pairs * b.D : 0;
   grid.x = static_cast<unsigned>((a.D + S::kRows - 1) / S::kRows);
   ExpertTileKernel<false, S><<<grid, S::kThreads, S::kSmem, stream>>>(t);
   return cudaGetLastError();
@@ -556,10 +596,11 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   if (err == cudaSuccess) err = cudaMalloc(&b.offsets, (E + 1) * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.slot_pair, Pc * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.pair_slot, Pc * sizeof(int32_t));
-  if (err == cudaSuccess) err = cudaMalloc(&b.tiles, (E + P / Tile::kTokens + 1) * sizeof(int2));
+  if (err == cudaSuccess) err = cudaMalloc(&b.tiles, (E + P / (Tile::kTokens / 2) + 1) * sizeof(int2));
   if (err == cudaSuccess) err = cudaMalloc(&b.num_tiles, sizeof(int32_t));
-  if (err == cudaSuccess) err = cudaMalloc(&b.h, Pc * std::max<int64_t>(I, 1) * sizeof(bf16));
-  if (err == cudaSuccess) err = cudaMalloc(&b.y, Pc * std::max<int64_t>(D, 1) * sizeof(bf16));
+  // h and y with a second plane for the split path.
+  if (err == cudaSuccess) err = cudaMalloc(&b.h, 2 * Pc * std::max<int64_t>(I, 1) * sizeof(bf16));
+  if (err == cudaSuccess) err = cudaMalloc(&b.y, 2 * Pc * std::max<int64_t>(D, 1) * sizeof(bf16));
   if (err != cudaSuccess) b.Free();
   return err;
 }
@@ -579,16 +620,27 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
       a.I > 0x7fffffff || P > 0x7fffffff)
     return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
-  if (!a.x || !a.idx || !a.w || !a.w1 || !a.w3 || !a.w2 || !a.out || !b.counts || P > b.max_pairs || a.D > b.D ||
-      a.I > b.I || E > b.E)
+  const bool split = a.x_lo != 0;
+  if (!a.x || !a.idx || !a.w || !a.w1 || !a.w3 || !a.w2 || (split ? !a.out_f32 : !a.out) || !b.counts ||
+      P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E || (split && gemm == MoeGemm::kCublas))
     return cudaErrorInvalidValue;
   if (gemm == MoeGemm::kAuto)
-    gemm = P <= kMoeTiledMaxPairsPerExpert * E ? MoeGemm::kTiled : MoeGemm::kCublas;
+    gemm = split || P <= kMoeTiledMaxPairsPerExpert * E ? MoeGemm::kTiled : MoeGemm::kCublas;
   const bool tiled = gemm == MoeGemm::kTiled;
-  cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, Tile::kTokens,
-                            tiled ? b.tiles : nullptr, tiled ? b.num_tiles : nullptr, stream);
+  cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot,
+                            split ? Tile::kTokens / 2 : Tile::kTokens, tiled ? b.tiles : nullptr,
+                            tiled ? b.num_tiles : nullptr, stream);
+  if (err == cudaSuccess && a.experts_hit) {
+    CountHitsKernel<<<1, 256, 0, stream>>>(static_cast<int>(E), b.counts, a.experts_hit);
+    err = cudaGetLastError();
+  }
   if (err == cudaSuccess) err = tiled ? RunTiled(a, b, stream) : RunCublas(a, b, stream);
   if (err != cudaSuccess) return err;
+  if (split) {
+    CombineSplitKernel<<<GridFor(a.N * a.D, 256), 256, 0, stream>>>(a.N, a.D, static_cast<int>(a.top_k), b.pair_slot,
+                                                                   a.w, b.y, b.max_pairs * b.D, a.out_f32);
+    return cudaGetLastError();
+  }
   const int chunks = static_cast<int>(a.D / 8);
   CombineKernel<<<GridFor(a.N * chunks, 256), 256, 0, stream>>>(a.N, chunks, static_cast<int>(a.top_k), b.pair_slot,
                                                                 a.w, reinterpret_cast<const int4*>(b.y),

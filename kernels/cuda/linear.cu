@@ -7,7 +7,10 @@
 // A (weights) and B (tokens) fragments: logical (2·tig + c, 2·tig + 8 + c) of MMA step s ↔ physical
 // 16·tig + 4s + (c, 2 + c). Weights then arrive with 16-byte loads and no shuffles or ldmatrix.
 #include <algorithm>
+#include <map>
+#include <utility>
 
+#include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/ptx.cuh"
 
@@ -60,13 +63,7 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [kStages][4][kThreads]: conflict-free 16-byte slots
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
-  const int64_t g = blockIdx.y;
-  int64_t r0 = 0, count = a.M;
-  if (a.offsets != nullptr) {
-    r0 = a.offsets[g];
-    count = a.offsets[g + 1] - r0;
-  }
-  if (count <= 0) return;
+  const int64_t g = blockIdx.y, count = a.M;
 
   const bool glu = a.act != LinearAct::kNone;
   int64_t wrow, left;  // the warp's first weight row; its local rows < left exist
@@ -95,7 +92,7 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
     for (int j = 0; j < kNTiles; ++j) {
       const int64_t i = base + 8 * j + gid;
       xr[j] = nullptr;
-      if (i < count) xr[j] = X + ((a.rows ? a.rows[r0 + i] : i) / a.x_row_div) * a.x.ld;
+      if (i < count) xr[j] = X + i * a.x.ld;
     }
     float acc[kNTiles][4];
 #pragma unroll
@@ -177,7 +174,7 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
         for (int e = 0; e < 4; ++e) {
           const int lr = gid + (e >= 2 ? 8 : 0);
           const int64_t i = base + 8 * j + 2 * tig + (e & 1);
-          if (j < nt && lr < left && i < count) Store(a, g, a.rows ? a.rows[r0 + i] : i, wrow + lr, acc[j][e]);
+          if (j < nt && lr < left && i < count) Store(a, g, i, wrow + lr, acc[j][e]);
         }
       }
       continue;
@@ -202,7 +199,7 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
       const float h = Act(a.act, gate[lr * kStagePitch + t], gate[(32 + lr) * kStagePitch + t], a.situ_beta,
                           a.situ_linear_beta);
       const int64_t i = base + t;
-      Store(a, g, a.rows ? a.rows[r0 + i] : i, col, h);
+      Store(a, g, i, col, h);
     }
     __syncthreads();  // the next pass refills the ring
   }
@@ -215,7 +212,7 @@ cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
   if (attr != cudaSuccess) return attr;
   const bool glu = a.act != LinearAct::kNone;
   const int64_t tiles = glu ? (a.N / 2 + 31) / 32 : (a.N + kRowsPerCta - 1) / kRowsPerCta;
-  const int64_t passes = a.offsets ? 1 : std::min<int64_t>((a.M + kTokens - 1) / kTokens, 65535);
+  const int64_t passes = std::min<int64_t>((a.M + kTokens - 1) / kTokens, 65535);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.groups), static_cast<unsigned>(passes));
   LinearKernel<kSplitX><<<grid, kThreads, kPipeBytes, stream>>>(a);
   return cudaGetLastError();
@@ -223,20 +220,170 @@ cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
 
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-}  // namespace
-
-cudaError_t Linear(const LinearArgs& a, cudaStream_t stream) {
+cudaError_t Check(const LinearArgs& a) {
   const bool glu = a.act != LinearAct::kNone;
   if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || a.y == nullptr ||
-      a.groups < 1 || a.groups > 65535 || a.x_row_div < 1 || (glu && a.N % 2 != 0) ||
-      (a.offsets != nullptr) != (a.rows != nullptr) || a.M < 0)
+      a.groups < 1 || a.groups > 65535 || (glu && a.N % 2 != 0) || a.M < 0)
     return cudaErrorInvalidValue;
   // 16-byte operand loads: every row and group of x and W must start on 16 bytes.
   if (!Aligned(a.w, 16) || a.w_group_stride % 8 != 0 || !Aligned(a.x.p, 16) || a.x.ld % 8 != 0 ||
       a.x.lo % 8 != 0 || a.x_group_stride % 8 != 0 || (a.out == LinearOut::kSplit && a.y_lo == 0))
     return cudaErrorMisalignedAddress;
-  if (a.offsets == nullptr && a.M == 0) return cudaSuccess;
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------------------------------------- cuBLASLt path
+
+constexpr int64_t kRefRows = 128;  // the stacked rows the algorithm is chosen for (64 split tokens)
+constexpr size_t kLtWorkspace = size_t{32} << 20;
+
+int64_t Ldc(int64_t N) { return (N + 7) / 8 * 8; }  // 32-byte rows of C
+size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
+
+// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none).
+__global__ void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0, int64_t rows,
+                           int64_t lo_rows) {
+  const bool glu = a.act != LinearAct::kNone;
+  const int64_t cols = glu ? a.N / 2 : a.N;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < rows * cols;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = idx / cols, col = idx % cols;
+    const float* c = C + i * ldc;
+    auto at = [&](int64_t j) { return c[j] + (lo_rows ? c[lo_rows * ldc + j] : 0.0f); };
+    const float v = glu ? Act(a.act, at(col), at(col + a.N / 2), a.situ_beta, a.situ_linear_beta) : at(col);
+    Store(a, 0, r0 + i, col, v);
+  }
+}
+
+cudaError_t Lt(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
+
+}  // namespace
+
+cudaError_t Linear(const LinearArgs& a, cudaStream_t stream) {
+  K3_CUDA_TRY(Check(a));
+  if (a.M == 0) return cudaSuccess;
   return a.x.lo != 0 ? Launch<true>(a, stream) : Launch<false>(a, stream);
+}
+
+struct LinearBlas::State {
+  cublasLtHandle_t lt = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  void* ws = nullptr;  // stacked x, then C
+  size_t ws_bytes = 0;
+  void* lt_ws = nullptr;
+  std::map<std::pair<int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;  // by (N, K)
+
+  ~State() {
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (lt) cublasLtDestroy(lt);
+    cudaFree(ws);
+    cudaFree(lt_ws);
+  }
+
+  // Layouts (column-major): W as K × N (transposed by the op), X as K × n, C as N × n.
+  struct Layouts {
+    cublasLtMatrixLayout_t w = nullptr, x = nullptr, c = nullptr;
+    ~Layouts() {
+      if (w) cublasLtMatrixLayoutDestroy(w);
+      if (x) cublasLtMatrixLayoutDestroy(x);
+      if (c) cublasLtMatrixLayoutDestroy(c);
+    }
+    cudaError_t Make(int64_t N, int64_t K, int64_t n) {
+      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, K)));
+      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, n, K)));
+      return Lt(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, n, Ldc(N)));
+    }
+  };
+
+  cudaError_t Heuristic(const Layouts& l, cublasLtMatmulAlgo_t* algo) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    K3_CUDA_TRY(Lt(cublasLtMatmulPreferenceCreate(&pref)));
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                             &kLtWorkspace, sizeof(kLtWorkspace));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(lt, desc, l.w, l.x, l.c, l.c, pref, 1, &r, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    K3_CUDA_TRY(Lt(st));
+    if (found == 0) return cudaErrorNotSupported;
+    *algo = r.algo;
+    return cudaSuccess;
+  }
+
+  // The algorithm of (N, K): the heuristic's choice for kRefRows rows, kept for every row count it supports.
+  cudaError_t Algo(int64_t N, int64_t K, const Layouts& l, cublasLtMatmulAlgo_t* algo) {
+    auto it = algos.find({N, K});
+    if (it == algos.end()) {
+      Layouts ref;
+      K3_CUDA_TRY(ref.Make(N, K, kRefRows));
+      cublasLtMatmulAlgo_t a;
+      K3_CUDA_TRY(Heuristic(ref, &a));
+      it = algos.emplace(std::make_pair(N, K), a).first;
+    }
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(lt, desc, l.w, l.x, l.c, l.c, &it->second, &check) == CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= kLtWorkspace) {
+      *algo = it->second;
+      return cudaSuccess;
+    }
+    return Heuristic(l, algo);  // this row count needs another kernel (not met at the engine's shapes)
+  }
+};
+
+LinearBlas::LinearBlas() : s_(std::make_unique<State>()) {}
+LinearBlas::~LinearBlas() = default;
+
+size_t LinearBlas::WorkspaceBytes(int64_t rows, int64_t N, int64_t K) {
+  return Align256(size_t(2 * rows * K) * 2) + Align256(size_t(2 * rows * Ldc(N)) * 4);
+}
+
+cudaError_t LinearBlas::Init(size_t bytes) {
+  State& s = *s_;
+  if (s.lt) return cudaErrorInvalidValue;  // once
+  K3_CUDA_TRY(Lt(cublasLtCreate(&s.lt)));
+  K3_CUDA_TRY(Lt(cublasLtMatmulDescCreate(&s.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)));
+  const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+  K3_CUDA_TRY(Lt(cublasLtMatmulDescSetAttribute(s.desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t))));
+  K3_CUDA_TRY(Lt(cublasLtMatmulDescSetAttribute(s.desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n))));
+  K3_CUDA_TRY(cudaMalloc(&s.lt_ws, kLtWorkspace));
+  K3_CUDA_TRY(cudaMalloc(&s.ws, bytes));
+  s.ws_bytes = bytes;
+  return cudaSuccess;
+}
+
+cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
+  State& s = *s_;
+  K3_CUDA_TRY(Check(a));
+  if (a.groups != 1 || !s.lt) return cudaErrorInvalidValue;
+  if (a.M == 0) return cudaSuccess;
+  const bool split = a.x.lo != 0;
+  const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N);
+  // Rows per chunk: the stacked x and C of a chunk fit the workspace.
+  int64_t chunk = a.M;
+  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K) > s.ws_bytes) chunk = chunk / 2;
+  if (chunk == 0) return cudaErrorMemoryAllocation;
+  const float one = 1.0f, zero = 0.0f;
+  for (int64_t r0 = 0; r0 < a.M; r0 += chunk) {
+    const int64_t rows = std::min(chunk, a.M - r0), n = planes * rows;
+    auto* xs = static_cast<__nv_bfloat16*>(s.ws);
+    auto* C = reinterpret_cast<float*>(static_cast<char*>(s.ws) + Align256(size_t(2 * chunk * a.K) * 2));
+    const __nv_bfloat16* x = a.x.p + r0 * a.x.ld;
+    for (int64_t p = 0; p < planes; ++p)
+      K3_CUDA_TRY(cudaMemcpy2DAsync(xs + p * rows * a.K, a.K * 2, x + p * a.x.lo, a.x.ld * 2, a.K * 2, rows,
+                                    cudaMemcpyDeviceToDevice, stream));
+    State::Layouts l;
+    K3_CUDA_TRY(l.Make(a.N, a.K, n));
+    cublasLtMatmulAlgo_t algo;
+    K3_CUDA_TRY(s.Algo(a.N, a.K, l, &algo));
+    K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, xs, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
+                                  kLtWorkspace, stream)));
+    const int64_t work = rows * (a.act != LinearAct::kNone ? a.N / 2 : a.N);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, 4096));
+    FoldKernel<<<blocks, 256, 0, stream>>>(a, C, ldc, r0, rows, split ? rows : 0);
+    K3_CUDA_TRY(cudaGetLastError());
+  }
+  return cudaSuccess;
 }
 
 }  // namespace k3::cuda

@@ -1,16 +1,20 @@
 // Linear layers on the GPU: y = x · Wᵀ with bf16 weights (PyTorch layout [N, K]), split-bf16 or bf16
-// activations, fp32 accumulation — one kernel for every product of the engine: dense projections, the LM head,
-// per-head products (groups with column strides) and the routed experts (groups = experts, rows gathered by
-// an index list), with an optional fused GLU (act(gate) · up) epilogue. Reference: k3::cpu::Linear / GluMlp.
+// activations, fp32 accumulation, with an optional fused GLU (act(gate) · up) epilogue.
+// Reference: k3::cpu::Linear / GluMlp. Two implementations of the same arguments:
 //
-// Built for decode, where a step is a stream of weights: each CTA streams a 64-row weight tile (cp.async,
-// six k-blocks in flight per thread) once per 64 tokens, and the tensor cores multiply it against up to 64
-// tokens (mma.sync m16n8k16, weights as the 16-row A operand, tokens as the 8-column B operand).
+//   Linear      our mma.sync kernel: any number of groups with column strides (the per-head products of MLA).
+//               Each CTA streams a 64-row weight tile (cp.async, six k-blocks in flight per thread) once per 64
+//               tokens (weights as the 16-row A operand, tokens as the 8-column B operand).
+//   LinearBlas  cuBLASLt, for the dense products (one group): the engine's projections and LM head. A split x
+//               is stacked as [hi; lo] rows so that one GEMM reads the weight once for both halves; a fold pass
+//               sums the halves into the output mode (and applies the GLU).
 #pragma once
 
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "kernels/cuda/split.cuh"
 
@@ -37,13 +41,8 @@ struct LinearArgs {
   int64_t ldy = 0, y_lo = 0, y_group_stride = 0;
   LinearOut out = LinearOut::kF32;
 
-  // Rows. Dense: groups of M rows each (offsets == nullptr). Gathered (experts): group g owns the entries
-  // [offsets[g], offsets[g+1]) of rows; an entry i names y row i and x row i / x_row_div.
-  int64_t groups = 1;
+  int64_t groups = 1;  // of M rows each
   int64_t M = 0;
-  const int32_t* offsets = nullptr;  // [groups + 1], device
-  const int32_t* rows = nullptr;     // device; with offsets
-  int32_t x_row_div = 1;
 
   // GLU: weight rows [0, N/2) are the gate, [N/2, N) the up projection; y gets N/2 columns act(gate)·up.
   LinearAct act = LinearAct::kNone;
@@ -51,5 +50,28 @@ struct LinearArgs {
 };
 
 cudaError_t Linear(const LinearArgs& a, cudaStream_t stream);
+
+// The dense products (groups == 1) through cuBLASLt. Batch invariant: the algorithm is chosen once per weight
+// shape (for 128 stacked rows, a decode batch of 64) and kept for every row count, so a row's sums do not
+// depend on the other rows of the batch (cuBLAS's own heuristic would pick other split-K schemes per M).
+// Rows go in chunks that fit the workspace. Not thread-safe: one per stream.
+class LinearBlas {
+ public:
+  LinearBlas();
+  ~LinearBlas();
+  LinearBlas(const LinearBlas&) = delete;
+  LinearBlas& operator=(const LinearBlas&) = delete;
+
+  // Bytes of workspace for chunks of `rows` rows of a product of N outputs and inner dim K.
+  static size_t WorkspaceBytes(int64_t rows, int64_t N, int64_t K);
+  // Creates the handle and a workspace of `bytes` (at least WorkspaceBytes(1, N, K) of the largest product).
+  cudaError_t Init(size_t bytes);
+  cudaError_t Run(const LinearArgs& a, cudaStream_t stream);
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> s_;
+};
 
 }  // namespace k3::cuda

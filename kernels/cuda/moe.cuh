@@ -9,7 +9,8 @@
 // slots (MoePermute), the experts run as GEMMs over their ragged slot segments, and each token gathers
 // its k weighted results in pair order (deterministic: no atomics on the output). Two GEMM paths:
 //   kTiled   our weight-streaming mma.sync kernels: gate/up with the activation fused (fp32), then down;
-//            a CTA streams 128 weight rows once for up to 64 tokens. No host synchronization.
+//            a CTA streams 128 weight rows once for up to 64 tokens (32 with a split x: hi and lo rows, their
+//            accumulators added before the activation). No host synchronization.
 //   kCublas  per expert: its rows gathered, W1 and W3 as one two-problem batched cuBLAS GEMM, an
 //            activation pass, W2; the experts' chains spread over 4 side streams. cuBLAS takes the shapes
 //            on the host: the call copies the counts back and synchronizes the stream (no graph capture).
@@ -78,6 +79,10 @@ struct MoeExpertsArgs {
   int64_t top_k = 0;        // pairs per token
   int64_t num_experts = 0;  // E: the slots this call serves
   const __nv_bfloat16* x = nullptr;  // [N, D]
+  // Split x (kernels/cuda/split.cuh: x ≈ hi + lo, the GPU engine's activations): the lo plane at x + x_lo.
+  // Then h and each expert's output keep 16 bits too (two planes), the sum goes to out_f32, and the tiled
+  // path runs (kCublas is refused). 0: plain bf16 x, bf16 out.
+  int64_t x_lo = 0;
   const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1 = not routed here (skipped)
   const float* w = nullptr;          // [N, k]
   // Device arrays of E device pointers (each expert anywhere in memory), 16-byte aligned, PyTorch layout:
@@ -88,6 +93,8 @@ struct MoeExpertsArgs {
   float situ_beta = 4.0f;          // β1
   float situ_linear_beta = 25.0f;  // β2
   __nv_bfloat16* out = nullptr;    // [N, D] = Σ_j w[n, j] · E_idx[n, j](x[n])
+  float* out_f32 = nullptr;        // [N, D], instead of out with a split x
+  int32_t* experts_hit = nullptr;  // optional, device scalar: the experts that received a pair
 };
 
 // Scratch for MoeExperts: device buffers for up to max_pairs = N·k pairs, and, once the cuBLAS path
@@ -109,7 +116,8 @@ class MoeWorkspace {
 };
 
 // out[n] = Σ_j w[n, j] · W2_e · act(W1_e x[n], W3_e x[n]), e = idx[n, j] ≥ 0; bf16 in and out, fp32
-// accumulation, the activation in fp32; the intermediate h and each expert's output are rounded to bf16.
+// accumulation, the activation in fp32; the intermediate h and each expert's output are rounded to bf16
+// (split x: kept as split, the sum in fp32).
 // Reproducible run to run. kCublas synchronizes the stream (see above).
 cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, cudaStream_t stream);
 

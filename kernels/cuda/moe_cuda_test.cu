@@ -303,6 +303,46 @@ TEST(MoeExpertsCuda, MatchesCpu) {
   }
 }
 
+// The split path (the GPU engine's): x as hi + lo planes, h and the expert outputs in two planes, the sum in
+// fp32 — as close to the fp32 CPU experts as fp32 accumulation order allows, on odd widths (I = 48: a partial
+// k-block and a partial row tile), one token, unrouted pairs, and 150 tokens on one expert (five 32-slot tiles).
+TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
+  REQUIRE_GPU();
+  MoeWorkspace ws;
+  for (auto [E, D, I] : {std::tuple<int64_t, int64_t, int64_t>{9, 200, 72}, {5, 128, 48}}) {
+    const Experts ex(E, D, I, 300);
+    const auto cpu_experts = ex.Cpu();
+    for (const auto& [name, r] : Routings(E)) {
+      std::vector<float> x = Random(r.N * D, 50, 1.0f);
+      std::vector<uint16_t> planes(2 * r.N * D);
+      for (int64_t i = 0; i < r.N * D; ++i) {  // x becomes exactly hi + lo
+        planes[i] = FloatToBf16(x[i]);
+        planes[r.N * D + i] = FloatToBf16(x[i] - Bf16ToFloat(planes[i]));
+        x[i] = Bf16ToFloat(planes[i]) + Bf16ToFloat(planes[r.N * D + i]);
+      }
+      for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
+        const cpu::GluParams p{act == GluAct::kSilu ? cpu::GluAct::kSilu : cpu::GluAct::kSitu, 4.0f, 25.0f};
+        std::vector<float> ref(r.N * D);
+        cpu::MoeExperts(r.N, D, I, r.k, x.data(), r.idx.data(), r.w.data(), E, cpu_experts.data(), p, ref.data());
+        DeviceBuffer<uint16_t> dx(planes);
+        DeviceBuffer<float> out(r.N * D);
+        DeviceBuffer<int32_t> idx(r.idx);
+        DeviceBuffer<float> w(r.w);
+        MoeExpertsArgs a;
+        a.N = r.N, a.D = D, a.I = I, a.top_k = r.k, a.num_experts = E;
+        a.x = reinterpret_cast<const __nv_bfloat16*>(dx.get()), a.x_lo = r.N * D, a.idx = idx.get(), a.w = w.get();
+        a.w1 = ex.p1->get(), a.w3 = ex.p3->get(), a.w2 = ex.p2->get();
+        a.act = act, a.situ_beta = 4.0f, a.situ_linear_beta = 25.0f, a.out_f32 = out.get();
+        ASSERT_EQ(ws.Reserve(r.N * r.k, D, I, E), cudaSuccess);
+        EXPECT_EQ(MoeExperts(a, MoeGemm::kCublas, ws, nullptr), cudaErrorInvalidValue);  // tiled only
+        ASSERT_EQ(MoeExperts(a, MoeGemm::kAuto, ws, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_LT(RelDiff(out.ToHost(), ref), 1e-4) << name << " D=" << D << " I=" << I << " situ=" << (act == GluAct::kSitu);
+      }
+    }
+  }
+}
+
 TEST(MoeExpertsCuda, ReproducibleAndPathsAgree) {
   REQUIRE_GPU();
   MoeWorkspace ws;

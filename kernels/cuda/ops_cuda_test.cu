@@ -7,24 +7,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <numeric>
 #include <random>
 #include <vector>
 
 #include "common/bf16.h"
 #include "kernels/cpu/attnres.h"
 #include "kernels/cpu/conv.h"
-#include "kernels/cpu/experts.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/mla.h"
 #include "kernels/cpu/norm.h"
-#include "kernels/cpu/router.h"
 #include "kernels/cuda/attnres.cuh"
 #include "kernels/cuda/conv.cuh"
 #include "kernels/cuda/kda_small.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/mla.cuh"
-#include "kernels/cuda/moe_grouped.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/sampling.cuh"
 
@@ -86,110 +82,107 @@ struct LinearCase {
   int64_t M, N, K;
   bool split;
   LinearOut out;
+  LinearAct act = LinearAct::kNone;
 };
 
-TEST(LinearCuda, DenseMatchesReference) {
-  REQUIRE_GPU();
-  for (const LinearCase c : {LinearCase{1, 64, 64, true, LinearOut::kF32}, LinearCase{70, 100, 80, true, LinearOut::kF32},
-                             LinearCase{9, 37, 48, false, LinearOut::kF32}, LinearCase{130, 256, 384, true, LinearOut::kF32Add},
-                             LinearCase{64, 192, 2304, true, LinearOut::kSplit}, LinearCase{5, 40, 32, true, LinearOut::kBf16}}) {
-    std::vector<float> w = Randn(c.N * c.K, 1, 1.0f / std::sqrt(float(c.K))), x = Randn(c.M * c.K, 2);
-    const std::vector<uint16_t> wb = ToBf16(w);
-    const std::vector<uint16_t> xs = c.split ? ToSplitPlanes(x) : ToBf16(x);
-    std::vector<float> y0 = Randn(c.M * c.N, 3), ref(c.M * c.N);
-    for (int64_t m = 0; m < c.M; ++m)
-      for (int64_t n = 0; n < c.N; ++n) {
-        double acc = c.out == LinearOut::kF32Add ? y0[m * c.N + n] : 0.0;
-        for (int64_t k = 0; k < c.K; ++k) acc += double(w[n * c.K + k]) * x[m * c.K + k];
-        ref[m * c.N + n] = static_cast<float>(acc);
+// Both implementations (our kernel, cuBLASLt with the stacked split) against a double-precision reference, on
+// odd sizes, one row, no rows, every output mode and both GLU activations. `blas_ws` small forces row chunks.
+void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 20) {
+  const bool glu = c.act != LinearAct::kNone;
+  const int64_t cols = glu ? c.N / 2 : c.N;
+  std::vector<float> w = Randn(c.N * c.K, 1, 1.0f / std::sqrt(float(c.K))), x = Randn(c.M * c.K, 2);
+  const std::vector<uint16_t> wb = ToBf16(w);
+  const std::vector<uint16_t> xs = c.split ? ToSplitPlanes(x) : ToBf16(x);
+  std::vector<float> y0 = Randn(c.M * cols, 3), ref(c.M * cols);
+  for (int64_t m = 0; m < c.M; ++m) {
+    std::vector<double> dot(c.N);
+    for (int64_t n = 0; n < c.N; ++n)
+      for (int64_t k = 0; k < c.K; ++k) dot[n] += double(w[n * c.K + k]) * x[m * c.K + k];
+    for (int64_t n = 0; n < cols; ++n) {
+      double v = dot[n];
+      if (glu) {
+        const double g = dot[n], u = dot[n + cols], sig = 1.0 / (1.0 + std::exp(-g));
+        v = c.act == LinearAct::kSilu ? g * sig * u : 4.0 * std::tanh(g / 4.0) * sig * 25.0 * std::tanh(u / 25.0);
       }
-    DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * c.N);
-    DeviceBuffer<float> dy(y0);
-    LinearArgs a;
-    a.N = c.N, a.K = c.K, a.w = dw.bf();
-    a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
-    const bool f32 = c.out == LinearOut::kF32 || c.out == LinearOut::kF32Add;
-    a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
-    a.ldy = c.N, a.y_lo = c.M * c.N, a.out = c.out, a.M = c.M;
+      ref[m * cols + n] = static_cast<float>(v + (c.out == LinearOut::kF32Add ? y0[m * cols + n] : 0.0));
+    }
+  }
+  DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 1);
+  DeviceBuffer<float> dy(y0);
+  LinearArgs a;
+  a.N = c.N, a.K = c.K, a.w = dw.bf(), a.act = c.act;
+  a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
+  const bool f32 = c.out == LinearOut::kF32 || c.out == LinearOut::kF32Add;
+  a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
+  a.ldy = cols, a.y_lo = c.M * cols + 1, a.out = c.out, a.M = c.M;
+  if (blas) {
+    LinearBlas lb;
+    CUDA_OK(lb.Init(blas_ws));
+    CUDA_OK(lb.Run(a, nullptr));
+  } else {
     CUDA_OK(Linear(a, nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    std::vector<float> got;
-    if (f32) {
-      got = dy.ToHost();
-    } else if (c.out == LinearOut::kSplit) {
-      got = FromSplit(dyb.ToHost(), c.M * c.N);
-    } else {
-      const auto h = dyb.ToHost();
-      for (int64_t i = 0; i < c.M * c.N; ++i) got.push_back(Bf16ToFloat(h[i]));
-    }
-    const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
-    EXPECT_LT(Rel(got, ref), tol) << "M " << c.M << " N " << c.N << " K " << c.K;
   }
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got;
+  if (f32) {
+    got = dy.ToHost();
+  } else {
+    const auto h = dyb.ToHost();
+    for (int64_t i = 0; i < c.M * cols; ++i)
+      got.push_back(Bf16ToFloat(h[i]) + (c.out == LinearOut::kSplit ? Bf16ToFloat(h[a.y_lo + i]) : 0.0f));
+  }
+  const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
+  EXPECT_LT(Rel(got, ref), tol) << (blas ? "LinearBlas" : "Linear") << " M " << c.M << " N " << c.N << " K " << c.K
+                                << " act " << int(c.act);
 }
 
-// The routed experts (pairs sorted by expert, GLU product, down product, weighted sum) against
-// k3::cpu::MoeExperts on the same bf16 weights, SiLU and SiTU.
-TEST(LinearCuda, GroupedExpertsMatchCpu) {
+const LinearCase kLinearCases[] = {
+    {1, 64, 64, true, LinearOut::kF32},         {70, 100, 80, true, LinearOut::kF32},
+    {9, 37, 48, false, LinearOut::kF32},        {130, 256, 384, true, LinearOut::kF32Add},
+    {64, 192, 2304, true, LinearOut::kSplit},   {5, 40, 32, true, LinearOut::kBf16},
+    {0, 64, 64, true, LinearOut::kF32},         {33, 96, 160, true, LinearOut::kSplit, LinearAct::kSilu},
+    {1, 2 * 48, 128, true, LinearOut::kSplit, LinearAct::kSitu}, {200, 2 * 40, 64, false, LinearOut::kF32, LinearAct::kSitu},
+};
+
+TEST(LinearCuda, KernelMatchesReference) {
   REQUIRE_GPU();
-  const int64_t N = 37, D = 128, I = 48, E = 16, k = 4;
-  for (const auto act : {cpu::GluAct::kSilu, cpu::GluAct::kSitu}) {
-    std::vector<float> w1 = Randn(E * I * D, 4, 0.09f), w3 = Randn(E * I * D, 5, 0.09f), w2 = Randn(E * D * I, 6, 0.15f);
-    ToBf16(w1), ToBf16(w3), ToBf16(w2);
-    std::vector<float> x = Randn(N * D, 7);
-    const std::vector<uint16_t> xs = ToSplitPlanes(x);
-    std::vector<int32_t> idx(N * k);
-    std::vector<float> wt = Randn(N * k, 8, 0.5f);
-    std::mt19937 rng(9);
-    for (int64_t n = 0; n < N; ++n) {
-      std::vector<int32_t> e(E);
-      std::iota(e.begin(), e.end(), 0);
-      std::shuffle(e.begin(), e.end(), rng);
-      for (int64_t j = 0; j < k; ++j) idx[n * k + j] = (n + j) % 7 == 0 ? -1 : e[j];  // some pairs routed elsewhere
-    }
-    // Stacked device layout: w13 [E][2I][D], w2 [E][D][I].
-    std::vector<float> w13(E * 2 * I * D);
-    for (int64_t e = 0; e < E; ++e) {
-      std::copy_n(w1.begin() + e * I * D, I * D, w13.begin() + e * 2 * I * D);
-      std::copy_n(w3.begin() + e * I * D, I * D, w13.begin() + e * 2 * I * D + I * D);
-    }
-    DeviceBuffer<uint16_t> d13(ToBf16(w13)), d2(ToBf16(w2)), dx(xs);
-    DeviceBuffer<int32_t> didx(idx), hits(1);
-    DeviceBuffer<float> dw(wt), out(N * D);
-    DeviceBuffer<char> ws(GroupedExpertsWorkspaceBytes(N, k, E, D, I));
-    const cpu::GluParams gp{act, 4.0f, 25.0f};
-    CUDA_OK(GroupedExperts(N, k, Split{dx.bf(), D, N * D}, didx.get(), dw.get(), ExpertStack{d13.bf(), d2.bf(), E, D, I},
-                           act == cpu::GluAct::kSilu ? LinearAct::kSilu : LinearAct::kSitu, gp.situ_beta,
-                           gp.situ_linear_beta, out.get(), hits.get(), ws.get(), nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    std::vector<cpu::ExpertWeights> ew(E);
-    for (int64_t e = 0; e < E; ++e) ew[e] = {w1.data() + e * I * D, w3.data() + e * I * D, w2.data() + e * D * I};
-    std::vector<float> ref(N * D);
-    cpu::MoeExperts(N, D, I, k, x.data(), idx.data(), wt.data(), E, ew.data(), gp, ref.data());
-    EXPECT_LT(Rel(out.ToHost(), ref), 1e-4);
-    std::vector<int> used(E, 0);
-    for (int32_t e : idx)
-      if (e >= 0) used[e] = 1;
-    EXPECT_EQ(hits.ToHost()[0], std::accumulate(used.begin(), used.end(), 0));
-  }
+  for (const LinearCase& c : kLinearCases) CheckLinear(c, false);
 }
 
-TEST(RouterCuda, SelectExpertsMatchesCpu) {
+TEST(LinearCuda, BlasMatchesReference) {
   REQUIRE_GPU();
-  const int64_t N = 50;
-  for (const cpu::RouterParams p : {cpu::RouterParams{16, 4, 1, 1, true, 2.446f}, cpu::RouterParams{256, 8, 8, 4, true, 1.0f},
-                                    cpu::RouterParams{64, 6, 1, 1, false, 1.5f}}) {
-    const std::vector<float> logits = Randn(N * p.num_experts, 10, 2.0f), bias = Randn(p.num_experts, 11, 0.1f);
-    std::vector<int32_t> idx(N * p.top_k);
-    std::vector<float> w(N * p.top_k);
-    cpu::RouteTopK(N, logits.data(), bias.data(), p, idx.data(), w.data());
-    DeviceBuffer<float> dl(logits), db(bias), dw(N * p.top_k);
-    DeviceBuffer<int32_t> di(N * p.top_k);
-    CUDA_OK(SelectExperts(N, RouterDims{p.num_experts, p.top_k, p.num_groups, p.topk_groups, p.renormalize, p.scale},
-                          dl.get(), db.get(), di.get(), dw.get(), nullptr));
+  for (const LinearCase& c : kLinearCases) CheckLinear(c, true);
+  // A workspace of a few rows: the rows run in chunks.
+  CheckLinear({130, 256, 384, true, LinearOut::kF32Add}, true, LinearBlas::WorkspaceBytes(7, 256, 384));
+  CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, LinearAct::kSilu}, true, LinearBlas::WorkspaceBytes(3, 192, 256));
+}
+
+// A row's output does not depend on the other rows of the batch (the engine's batched == alone).
+TEST(LinearCuda, BlasRowsAreBatchInvariant) {
+  REQUIRE_GPU();
+  const int64_t N = 2304, K = 4096, M = 300;
+  std::vector<float> w = Randn(N * K, 21, 0.02f), x = Randn(M * K, 22);
+  DeviceBuffer<uint16_t> dw(ToBf16(w)), dx(ToSplitPlanes(x));
+  LinearBlas lb;
+  CUDA_OK(lb.Init(LinearBlas::WorkspaceBytes(M, N, K)));
+  std::vector<std::vector<float>> outs;
+  for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{64}, int64_t{M}}) {
+    // The first `rows` rows, as a batch of their own (a split buffer with its lo plane `rows` rows on).
+    std::vector<uint16_t> planes(2 * rows * K);
+    const std::vector<uint16_t> all = dx.ToHost();
+    std::copy_n(all.begin(), rows * K, planes.begin());
+    std::copy_n(all.begin() + M * K, rows * K, planes.begin() + rows * K);
+    DeviceBuffer<uint16_t> xb(planes);
+    DeviceBuffer<float> y(rows * N);
+    LinearArgs a;
+    a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{xb.bf(), K, rows * K}, a.y = y.get(), a.ldy = N, a.M = rows;
+    CUDA_OK(lb.Run(a, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(di.ToHost(), idx);
-    EXPECT_LT(Rel(dw.ToHost(), w), 1e-6);
+    outs.push_back(y.ToHost());
   }
+  for (size_t i = 0; i + 1 < outs.size(); ++i)
+    for (size_t j = 0; j < outs[i].size(); ++j)
+      ASSERT_EQ(outs[i][j], outs.back()[j]) << "batch " << i << " element " << j;
 }
 
 // ------------------------------------------------------------------------------------------------ norms
