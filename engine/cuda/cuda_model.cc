@@ -838,6 +838,11 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
   }
   K3_CUDA_OK(cudaMemcpyAsync(meta, meta_host, used * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   const int64_t R = static_cast<int64_t>(cols[kRows].size());
+  // The split planes of this batch sit back to back (lo = rows · ld): a product's [hi; lo] operand is then
+  // one 2N-row matrix, used by cuBLAS in place.
+  for (Split* sp : {&a, &m, &win, &onorm, &hid, &z, &zn, &qbuf, &qan})
+    if (sp->p) sp->lo = N * sp->ld;
+  fn.lo = std::max<int64_t>(R, 1) * fn.ld;
 
   if (R > logits_rows) {
     K3_CUDA_OK(cudaStreamSynchronize(stream));

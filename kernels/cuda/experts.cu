@@ -228,7 +228,9 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   const int ch = tid & 7;
   const bf16* wa = a.wa[e];
   const bf16* wb = kGlu ? a.wb[e] : wa;
-  const int n_rows = split ? kTokens : (nt + 15) & ~15;  // token rows the MMAs read
+  // Token rows the MMAs read: the first nt rounded up to 16 (split: in each half).
+  const int nrt = (nt + 15) & ~15, span = split ? half : kTokens;
+  auto used = [&](int r) { return r % span < nrt; };
   const bf16* wrow[4];
   const bf16* xrow[kXCopies];
   bool wvalid[4], xvalid[kXCopies];
@@ -260,7 +262,7 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
       const int r = tid / 8 + kThreads / 8 * i;
-      if (r < n_rows) {
+      if (used(r)) {
         const bool xv = k_in && xvalid[i];
         ptx::CpAsync16(sx + Swz(r, ch), xv ? xrow[i] + k : a.src, xv ? 16 : 0);
       }
@@ -268,7 +270,6 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   };
 
   const int KT = (K + kBK - 1) / kBK;
-  const int pairs = n_rows / 16;  // 16-token column pairs of n-tiles
   float acc[kTokens / 8][4] = {};
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -291,7 +292,7 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
       }
 #pragma unroll
       for (int p = 0; p < kTokens / 16; ++p) {
-        if (p < pairs) {
+        if (used(16 * p)) {
           uint32_t bfr[4];
           const int r = 16 * p + (lane & 7) + ((lane >> 4) << 3);
           ptx::LdMatrixX4(bfr, sx + Swz(r, 2 * kk + ((lane >> 3) & 1)));

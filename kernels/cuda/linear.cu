@@ -8,7 +8,7 @@
 // 16·tig + 4s + (c, 2 + c). Weights then arrive with 16-byte loads and no shuffles or ldmatrix.
 #include <algorithm>
 #include <map>
-#include <utility>
+#include <tuple>
 
 #include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/linear.cuh"
@@ -271,7 +271,7 @@ struct LinearBlas::State {
   void* ws = nullptr;  // stacked x, then C
   size_t ws_bytes = 0;
   void* lt_ws = nullptr;
-  std::map<std::pair<int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;  // by (N, K)
+  std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;  // by (N, K, ldx)
 
   ~State() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -288,9 +288,9 @@ struct LinearBlas::State {
       if (x) cublasLtMatrixLayoutDestroy(x);
       if (c) cublasLtMatrixLayoutDestroy(c);
     }
-    cudaError_t Make(int64_t N, int64_t K, int64_t n) {
+    cudaError_t Make(int64_t N, int64_t K, int64_t n, int64_t ldx) {
       K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, K)));
-      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, n, K)));
+      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, n, ldx)));
       return Lt(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, n, Ldc(N)));
     }
   };
@@ -311,15 +311,15 @@ struct LinearBlas::State {
     return cudaSuccess;
   }
 
-  // The algorithm of (N, K): the heuristic's choice for kRefRows rows, kept for every row count it supports.
-  cudaError_t Algo(int64_t N, int64_t K, const Layouts& l, cublasLtMatmulAlgo_t* algo) {
-    auto it = algos.find({N, K});
+  // The algorithm of (N, K, ldx): the heuristic's choice for kRefRows rows, kept for every row count.
+  cudaError_t Algo(int64_t N, int64_t K, int64_t ldx, const Layouts& l, cublasLtMatmulAlgo_t* algo) {
+    auto it = algos.find({N, K, ldx});
     if (it == algos.end()) {
       Layouts ref;
-      K3_CUDA_TRY(ref.Make(N, K, kRefRows));
+      K3_CUDA_TRY(ref.Make(N, K, kRefRows, ldx));
       cublasLtMatmulAlgo_t a;
       K3_CUDA_TRY(Heuristic(ref, &a));
-      it = algos.emplace(std::make_pair(N, K), a).first;
+      it = algos.emplace(std::make_tuple(N, K, ldx), a).first;
     }
     cublasLtMatmulHeuristicResult_t check{};
     if (cublasLtMatmulAlgoCheck(lt, desc, l.w, l.x, l.c, l.c, &it->second, &check) == CUBLAS_STATUS_SUCCESS &&
@@ -363,20 +363,28 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
   int64_t chunk = a.M;
   while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K) > s.ws_bytes) chunk = chunk / 2;
   if (chunk == 0) return cudaErrorMemoryAllocation;
+  // x is used in place when its rows already form the GEMM operand: one chunk, and a split x whose lo plane
+  // starts right after its M hi rows (the engine lays its planes out so); else the rows are copied (stacked).
+  const bool in_place = chunk == a.M && (!split || a.x.lo == a.M * a.x.ld) && Aligned(a.x.p, 256) &&
+                        (a.x.ld * 2) % 16 == 0;
   const float one = 1.0f, zero = 0.0f;
   for (int64_t r0 = 0; r0 < a.M; r0 += chunk) {
     const int64_t rows = std::min(chunk, a.M - r0), n = planes * rows;
-    auto* xs = static_cast<__nv_bfloat16*>(s.ws);
     auto* C = reinterpret_cast<float*>(static_cast<char*>(s.ws) + Align256(size_t(2 * chunk * a.K) * 2));
-    const __nv_bfloat16* x = a.x.p + r0 * a.x.ld;
-    for (int64_t p = 0; p < planes; ++p)
-      K3_CUDA_TRY(cudaMemcpy2DAsync(xs + p * rows * a.K, a.K * 2, x + p * a.x.lo, a.x.ld * 2, a.K * 2, rows,
-                                    cudaMemcpyDeviceToDevice, stream));
+    const __nv_bfloat16* x = a.x.p;
+    int64_t ldx = a.x.ld;
+    if (!in_place) {
+      auto* xs = static_cast<__nv_bfloat16*>(s.ws);
+      for (int64_t p = 0; p < planes; ++p)
+        K3_CUDA_TRY(cudaMemcpy2DAsync(xs + p * rows * a.K, a.K * 2, a.x.p + r0 * a.x.ld + p * a.x.lo, a.x.ld * 2,
+                                      a.K * 2, rows, cudaMemcpyDeviceToDevice, stream));
+      x = xs, ldx = a.K;
+    }
     State::Layouts l;
-    K3_CUDA_TRY(l.Make(a.N, a.K, n));
+    K3_CUDA_TRY(l.Make(a.N, a.K, n, ldx));
     cublasLtMatmulAlgo_t algo;
-    K3_CUDA_TRY(s.Algo(a.N, a.K, l, &algo));
-    K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, xs, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
+    K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, l, &algo));
+    K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
                                   kLtWorkspace, stream)));
     const int64_t work = rows * (a.act != LinearAct::kNone ? a.N / 2 : a.N);
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, 4096));
