@@ -132,6 +132,7 @@ __global__ __launch_bounds__(kThreads) void DecodeKernel(MlaDims s, const float*
     for (int h = 0; h < G; ++h)
 #pragma unroll
       for (int u = 0; u < kColPairs; ++u) acc[h][u][0] *= corr[h], acc[h][u][1] *= corr[h];
+#pragma unroll 8  // eight rows' loads in flight: one at a time, this loop waits on L2 latency per row
     for (int jj = 0; jj < rows; ++jj) {
       const __nv_bfloat16* row = C + (j0 + jj) * cw;
 #pragma unroll
