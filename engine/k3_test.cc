@@ -179,6 +179,27 @@ TEST(K3Configs, KimiLinear48bIsTheReleasedShape) {
   EXPECT_NEAR(active / 1e9, 3, 0.5);   // A3B (3.5B with the embeddings and the LM head)
 }
 
+// Issue 5's end-to-end model: d 2304, 32 KDA heads of 128, 256 experts top-8 of width 1024, 1 shared, vocab
+// 163840, 4 layers (3 KDA + 1 MLA, the first dense) — Kimi-Linear-48B's layer shapes.
+TEST(K3Configs, KimiLinearE2eIsTheIssueShape) {
+  auto c = ParseFile(ConfigFile("kimi-linear-e2e")), kl = ParseFile(ConfigFile("kimi-linear-48b"));
+  ASSERT_TRUE(c.ok() && kl.ok());
+  EXPECT_EQ(c->hidden_size, 2304);
+  EXPECT_EQ(c->kda_heads, 32);
+  EXPECT_EQ(c->kda_head_dim, 128);
+  EXPECT_EQ(c->num_experts, 256);
+  EXPECT_EQ(c->top_k, 8);
+  EXPECT_EQ(c->moe_intermediate_size, 1024);
+  EXPECT_EQ(c->num_shared_experts, 1);
+  EXPECT_EQ(c->vocab_size, 163840);
+  EXPECT_EQ(c->num_layers, 4);
+  EXPECT_EQ(c->num_kda_layers(), 3);
+  EXPECT_EQ(c->num_mla_layers(), 1);
+  EXPECT_EQ(c->mlp[0], Mlp::kDense);
+  EXPECT_EQ(c->intermediate_size, kl->intermediate_size);
+  EXPECT_EQ(c->mla_heads, kl->mla_heads);
+}
+
 TEST(K3Configs, TinyK3MatchesTheGoldenCheckpoint) {
   auto c = ParseFile(ConfigFile("tiny-k3"));
   ASSERT_TRUE(c.ok()) << c.status();
