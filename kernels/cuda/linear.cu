@@ -241,13 +241,13 @@ int64_t Ldc(int64_t N) { return (N + 7) / 8 * 8; }  // 32-byte rows of C
 size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
 
 // y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none).
+// Grid: (column blocks, row stride).
 __global__ void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0, int64_t rows,
                            int64_t lo_rows) {
   const bool glu = a.act != LinearAct::kNone;
-  const int64_t cols = glu ? a.N / 2 : a.N;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < rows * cols;
-       idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = idx / cols, col = idx % cols;
+  const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (col >= (glu ? a.N / 2 : a.N)) return;
+  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
     const float* c = C + i * ldc;
     auto at = [&](int64_t j) { return c[j] + (lo_rows ? c[lo_rows * ldc + j] : 0.0f); };
     const float v = glu ? Act(a.act, at(col), at(col + a.N / 2), a.situ_beta, a.situ_linear_beta) : at(col);
@@ -386,9 +386,9 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, l, &algo));
     K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
                                   kLtWorkspace, stream)));
-    const int64_t work = rows * (a.act != LinearAct::kNone ? a.N / 2 : a.N);
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, 4096));
-    FoldKernel<<<blocks, 256, 0, stream>>>(a, C, ldc, r0, rows, split ? rows : 0);
+    const int64_t cols = a.act != LinearAct::kNone ? a.N / 2 : a.N;
+    const dim3 grid(static_cast<unsigned>((cols + 255) / 256), static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+    FoldKernel<<<grid, 256, 0, stream>>>(a, C, ldc, r0, rows, split ? rows : 0);
     K3_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;
