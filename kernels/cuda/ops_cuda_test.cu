@@ -329,15 +329,17 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_LT(Rel(FromSplit(dout.ToHost(), T * s.nh * s.dv), ref), 1e-2) << "prefill nh " << s.nh;
 
-    // Decode: three sequences in slots 1, 0, 2 of a pool of max_ctx rows, at positions 0, 20, L − 1.
-    const int64_t max_ctx = L + 3, N = 3;
-    const std::vector<int32_t> slot = {1, 0, 2}, pos = {0, 20, static_cast<int32_t>(L - 1)};
-    std::vector<uint16_t> pool(3 * max_ctx * s.cw());
-    for (int64_t sl = 0; sl < 3; ++sl) std::copy(p.cache_b.begin(), p.cache_b.end(), pool.begin() + sl * max_ctx * s.cw());
+    // Decode: four sequences in slots 1, 0, 3, 2 of a pool of max_ctx rows, at positions 0, 20, 600 and Ld − 1
+    // of a 1100-row cache (the cache is split over CTAs in 128-row tiles: empty splits, one tile, several).
+    const int64_t Ld = 1100, max_ctx = Ld + 3, N = 4;
+    const MlaProblem pc = MakeMla(s, 1, Ld, 31);
+    const std::vector<int32_t> slot = {1, 0, 3, 2}, pos = {0, 20, 600, static_cast<int32_t>(Ld - 1)};
+    std::vector<uint16_t> pool(4 * max_ctx * s.cw());
+    for (int64_t sl = 0; sl < 4; ++sl) std::copy(pc.cache_b.begin(), pc.cache_b.end(), pool.begin() + sl * max_ctx * s.cw());
     MlaProblem d = MakeMla(s, N, 1, 40);
     std::vector<float> dref(N * s.nh * s.dv);
     for (int64_t n = 0; n < N; ++n)
-      cpu::MlaAttentionRef(1, pos[n], cs, d.q.data() + n * s.nh * s.dqk(), p.cache.data(), p.kv_b.data(), scale,
+      cpu::MlaAttentionRef(1, pos[n], cs, d.q.data() + n * s.nh * s.dqk(), pc.cache.data(), p.kv_b.data(), scale,
                            dref.data() + n * s.nh * s.dv);
     DeviceBuffer<uint16_t> dqd(d.qs), dpool(pool), dukt(s.nh * s.r * s.dn), dod(2 * N * s.nh * s.dv);
     DeviceBuffer<int32_t> dslot(slot), dpos(pos);
