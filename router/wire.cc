@@ -275,6 +275,22 @@ absl::StatusOr<Reader> OpenFixed(std::span<const std::byte> msg, MessageType t, 
   return Reader(msg, kHeaderSize);
 }
 
+// The row block's description, the same in requests and replies: dtype and 3 reserved bytes, width, n_rows;
+// bytes gets the size of its rows (`what`, for the error).
+absl::Status ReadRowBlock(Reader& r, MessageType t, const char* what, RowDType* dtype, uint32_t* width,
+                          uint32_t* n_rows, size_t* bytes) {
+  const auto raw = r.Get<uint8_t>();
+  const uint8_t reserved[3] = {r.Get<uint8_t>(), r.Get<uint8_t>(), r.Get<uint8_t>()};
+  K3_RETURN_IF_ERROR(CheckDType(t, raw, reserved));
+  *dtype = static_cast<RowDType>(raw);
+  *width = r.Get<uint32_t>();
+  *n_rows = r.Get<uint32_t>();
+  if (*width == 0) return Malformed(t, "width is 0");
+  if (!PayloadBytes(*n_rows, *width, *dtype, bytes))
+    return Malformed(t, "%s size overflows: n_rows %d x width %d x %d", what, *n_rows, *width, RowDTypeSize(*dtype));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg,
@@ -285,26 +301,16 @@ absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg
   m.request_id = r.Get<uint64_t>();
   m.placement_version = r.Get<uint64_t>();
   m.layer = r.Get<uint32_t>();
-  const auto dtype = r.Get<uint8_t>();
-  const uint8_t reserved[3] = {r.Get<uint8_t>(), r.Get<uint8_t>(), r.Get<uint8_t>()};
-  K3_RETURN_IF_ERROR(CheckDType(kT, dtype, reserved));
-  m.dtype = static_cast<RowDType>(dtype);
-  m.width = r.Get<uint32_t>();
-  m.n_rows = r.Get<uint32_t>();
-  const auto n_pairs = r.Get<uint32_t>();
-  if (m.width == 0) return Malformed(kT, "width is 0");
-
   // Offsets and pairs cannot overflow (u32 counts times small sizes); the rows can.
   size_t rows_bytes;
-  if (!PayloadBytes(m.n_rows, m.width, m.dtype, &rows_bytes))
-    return Malformed(kT, "rows size overflows: n_rows %d x width %d x %d", m.n_rows, m.width,
-                     RowDTypeSize(m.dtype));
+  K3_RETURN_IF_ERROR(ReadRowBlock(r, kT, "rows", &m.dtype, &m.width, &m.n_rows, &rows_bytes));
+  const auto n_pairs = r.Get<uint32_t>();
   const size_t fixed = kHeaderSize + kRequestFixed + (static_cast<size_t>(m.n_rows) + 1) * sizeof(uint32_t) +
                        static_cast<size_t>(n_pairs) * sizeof(ExpertPair);
   size_t total;
   if (__builtin_add_overflow(fixed, rows_bytes, &total) || total != msg.size())
     return Malformed(kT, "payload size mismatch: n_rows %d, n_pairs %d, width %d, dtype %d need %d bytes, "
-                     "message has %d", m.n_rows, n_pairs, m.width, dtype, total, msg.size());
+                     "message has %d", m.n_rows, n_pairs, m.width, static_cast<int>(m.dtype), total, msg.size());
 
   // Allocations below are bounded by the buffer size checked above.
   m.row_offsets = r.GetArray<uint32_t>(static_cast<size_t>(m.n_rows) + 1);
@@ -319,21 +325,12 @@ absl::StatusOr<ExpertReply> DecodeExpertReply(std::span<const std::byte> msg) {
   K3_ASSIGN_OR_RETURN(Reader r, OpenFixed(msg, kT, kReplyFixed));
   ExpertReply m;
   m.request_id = r.Get<uint64_t>();
-  const auto dtype = r.Get<uint8_t>();
-  const uint8_t reserved[3] = {r.Get<uint8_t>(), r.Get<uint8_t>(), r.Get<uint8_t>()};
-  K3_RETURN_IF_ERROR(CheckDType(kT, dtype, reserved));
-  m.dtype = static_cast<RowDType>(dtype);
-  m.width = r.Get<uint32_t>();
-  m.n_rows = r.Get<uint32_t>();
-  if (m.width == 0) return Malformed(kT, "width is 0");
   size_t sums_bytes;
-  if (!PayloadBytes(m.n_rows, m.width, m.dtype, &sums_bytes))
-    return Malformed(kT, "sums size overflows: n_rows %d x width %d x %d", m.n_rows, m.width,
-                     RowDTypeSize(m.dtype));
+  K3_RETURN_IF_ERROR(ReadRowBlock(r, kT, "sums", &m.dtype, &m.width, &m.n_rows, &sums_bytes));
   size_t total;
   if (__builtin_add_overflow(kHeaderSize + kReplyFixed, sums_bytes, &total) || total != msg.size())
     return Malformed(kT, "payload size mismatch: n_rows %d, width %d, dtype %d need %d bytes, message has %d",
-                     m.n_rows, m.width, dtype, total, msg.size());
+                     m.n_rows, m.width, static_cast<int>(m.dtype), total, msg.size());
   m.sums = r.GetBytes(sums_bytes);
   return m;
 }

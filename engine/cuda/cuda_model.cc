@@ -877,7 +877,8 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
       K3_ASSIGN_OR_RETURN(const float* h, read(w.attn_res_w, w.attn_res_n));
       K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.input_norm, c.rms_norm_eps, a, stream));
       if (attn_res && l % c.attn_res_block == 0) {  // the partial sum closes a block
-        K3_CUDA_OK(cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+        K3_CUDA_OK(
+            cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
         K3_CUDA_OK(cudaMemsetAsync(x, 0, N * d * sizeof(float), stream));
         ++banked;
       }
@@ -949,7 +950,8 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
       return absl::UnimplementedError(absl::StrCat("KDA head_dim ", D, " (the GPU path takes 64, 128 or ≤ 32)"));
   }
   if (config.num_experts > 1024)
-    return absl::UnimplementedError(absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));
+    return absl::UnimplementedError(
+        absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));
   auto impl = std::make_unique<Impl>();
   impl->c = config;
   impl->opt = options;

@@ -117,26 +117,32 @@ __device__ int BlockExclusiveScan(int v, int* red, int* total) {
 
 // Block e: its segment start (the counts before it), its tiles, then the stable compaction of its pairs:
 // thread t of a 4·256-pair window owns pairs 4t..4t+3, so an exclusive scan in thread order keeps pair order.
+// The last block, which reads every count before its own, also writes the totals (tiles, experts hit).
 __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, const int32_t* idx, int E,
                                                                    const int32_t* counts, int32_t* offsets,
                                                                    int32_t* slot_pair, int32_t* pair_slot,
-                                                                   int tile_tokens, int2* tiles, int32_t* num_tiles) {
+                                                                   int tile_tokens, int2* tiles, int32_t* num_tiles,
+                                                                   int32_t* experts_hit) {
   __shared__ int red[kPermuteThreads / 32];
   const int e = blockIdx.x, tid = threadIdx.x;
-  int before = 0, tiles_before = 0;
+  int before = 0, tiles_before = 0, hit_before = 0;
   for (int i = tid; i < e; i += kPermuteThreads) {
     const int c = counts[i];
     before += c;
     tiles_before += (c + tile_tokens - 1) / tile_tokens;
+    hit_before += c > 0;
   }
   const int start = BlockSum(before, red);
   const int tile0 = BlockSum(tiles_before, red);
   const int count = counts[e], my_tiles = (count + tile_tokens - 1) / tile_tokens;
+  const bool last = e == E - 1;
+  const int hit0 = last && experts_hit ? BlockSum(hit_before, red) : 0;  // uniform over the block
   if (tid == 0) {
     offsets[e] = start;
-    if (e == E - 1) {
+    if (last) {
       offsets[E] = start + count;
       if (num_tiles) *num_tiles = tile0 + my_tiles;
+      if (experts_hit) *experts_hit = hit0 + (count > 0);
     }
   }
   if (tiles)
@@ -166,7 +172,8 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
 }
 
 cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, int32_t* offsets, int32_t* slot_pair,
-                    int32_t* pair_slot, int tile_tokens, int2* tiles, int32_t* num_tiles, cudaStream_t stream) {
+                    int32_t* pair_slot, int tile_tokens, int2* tiles, int32_t* num_tiles, int32_t* experts_hit,
+                    cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(counts, 0, E * sizeof(int32_t), stream);
   if (err == cudaSuccess && P > 0) err = cudaMemsetAsync(pair_slot, 0xff, P * sizeof(int32_t), stream);  // −1
   if (err != cudaSuccess) return err;
@@ -175,7 +182,7 @@ cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, i
     CountPairsKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(P, idx, static_cast<int>(E), counts);
   }
   FillSlotsKernel<<<static_cast<unsigned>(E), kPermuteThreads, 0, stream>>>(
-      P, idx, static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, num_tiles);
+      P, idx, static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, num_tiles, experts_hit);
   return cudaGetLastError();
 }
 
@@ -429,17 +436,6 @@ unsigned GridFor(int64_t work, int threads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + threads - 1) / threads, 132 * 16)));
 }
 
-__global__ void CountHitsKernel(int E, const int32_t* counts, int32_t* hits) {
-  __shared__ int total;
-  if (threadIdx.x == 0) total = 0;
-  __syncthreads();
-  int mine = 0;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) mine += counts[e] > 0;
-  atomicAdd(&total, mine);
-  __syncthreads();
-  if (threadIdx.x == 0) *hits = total;
-}
-
 cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
 // 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 96 KB of weights in flight.
@@ -611,7 +607,7 @@ cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_expert
   if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > 0x7fffffff)
     return cudaErrorInvalidValue;
   return Permute(num_pairs, idx, num_experts, counts, offsets, slot_pair, pair_slot, Tile::kTokens, nullptr, nullptr,
-                 stream);
+                 nullptr, stream);
 }
 
 cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, cudaStream_t stream) {
@@ -630,11 +626,7 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
   const bool tiled = gemm == MoeGemm::kTiled;
   cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot,
                             split ? Tile::kTokens / 2 : Tile::kTokens, tiled ? b.tiles : nullptr,
-                            tiled ? b.num_tiles : nullptr, stream);
-  if (err == cudaSuccess && a.experts_hit) {
-    CountHitsKernel<<<1, 256, 0, stream>>>(static_cast<int>(E), b.counts, a.experts_hit);
-    err = cudaGetLastError();
-  }
+                            tiled ? b.num_tiles : nullptr, a.experts_hit, stream);
   if (err == cudaSuccess) err = tiled ? RunTiled(a, b, stream) : RunCublas(a, b, stream);
   if (err != cudaSuccess) return err;
   if (split) {

@@ -328,8 +328,9 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
         DeviceBuffer<float> out(r.N * D);
         DeviceBuffer<int32_t> idx(r.idx);
         DeviceBuffer<float> w(r.w);
+        DeviceBuffer<int32_t> hit(1);
         MoeExpertsArgs a;
-        a.N = r.N, a.D = D, a.I = I, a.top_k = r.k, a.num_experts = E;
+        a.N = r.N, a.D = D, a.I = I, a.top_k = r.k, a.num_experts = E, a.experts_hit = hit.get();
         a.x = reinterpret_cast<const __nv_bfloat16*>(dx.get()), a.x_lo = r.N * D, a.idx = idx.get(), a.w = w.get();
         a.w1 = ex.p1->get(), a.w3 = ex.p3->get(), a.w2 = ex.p2->get();
         a.act = act, a.situ_beta = 4.0f, a.situ_linear_beta = 25.0f, a.out_f32 = out.get();
@@ -338,6 +339,10 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
         ASSERT_EQ(MoeExperts(a, MoeGemm::kAuto, ws, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         EXPECT_LT(RelDiff(out.ToHost(), ref), 1e-4) << name << " D=" << D << " I=" << I << " situ=" << (act == GluAct::kSitu);
+        std::vector<bool> used(E, false);
+        for (int32_t e : r.idx)
+          if (e >= 0) used[e] = true;
+        EXPECT_EQ(hit.ToHost()[0], std::count(used.begin(), used.end(), true)) << name;
       }
     }
   }
