@@ -154,12 +154,14 @@ TEST(Cluster, BadRequestsFullQueueAndCancellation) {
   expect({1}, bad, "", inv, "top_k");
 
   // One running (for a minute unless cancelled), one waiting; the third does not fit.
+  // The second starts only once the first streams: a sequence admitted but not yet stepped
+  // counts as waiting, so two requests racing in could see each other as the full queue.
   grpc::ClientContext c1, c2;
   auto req = MakeGenerateRequest({1, 5, 77}, Greedy(60000));
   auto s1 = client.stub().Generate(&c1, req);
-  auto s2 = client.stub().Generate(&c2, req);
   k3serve::v1::GenerateResponse resp;
-  ASSERT_TRUE(s1->Read(&resp));  // running
+  ASSERT_TRUE(s1->Read(&resp)) << s1->Finish().error_message();  // running
+  auto s2 = client.stub().Generate(&c2, req);
   for (int i = 0; i < 1000 && Live(metrics) < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   ASSERT_EQ(Live(metrics), 2) << HttpGet("127.0.0.1", metrics, "/metrics").value_or("");
   expect({1}, Greedy(4), "", absl::StatusCode::kResourceExhausted, "queue full");

@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <ostream>
 
 #include "common/safetensors.h"
 #include "tests/testing.h"
@@ -57,6 +59,7 @@ TEST(Conformance, TinyK3WithinItsNoiseFloor) {
 struct Change {
   std::string model, tensor, flags;
 };
+void PrintTo(const Change& c, std::ostream* os) { *os << c.model << ":" << c.tensor << " " << c.flags; }
 
 class ConformanceDetects : public ::testing::TestWithParam<Change> {};
 
@@ -94,7 +97,15 @@ INSTANTIATE_TEST_SUITE_P(Weights, ConformanceDetects,
                                            Change{"tiny-kimi-linear", "model.layers.3.self_attn.kv_b_proj.weight", "--noise-floor"},
                                            Change{"tiny-k3", "model.layers.2.self_attn.kv_b_proj.weight", "--noise-floor"},
                                            Change{"tiny-k3", "model.layers.4.block_sparse_moe.routed_expert_up_proj.weight",
-                                                  "--noise-floor"}));
+                                                  "--noise-floor"}),
+                         [](const ::testing::TestParamInfo<Change>& info) {
+                           // e.g. tiny_k3_layers_4_block_sparse_moe_routed_expert_up_proj
+                           std::string name = info.param.model + "_" + info.param.tensor.substr(6);
+                           name = name.substr(0, name.rfind(".weight"));
+                           for (char& c : name)
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace k3
