@@ -949,6 +949,14 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
     if (D != 64 && D != 128 && D > kKdaSmallMaxD)
       return absl::UnimplementedError(absl::StrCat("KDA head_dim ", D, " (the GPU path takes 64, 128 or ≤ 32)"));
   }
+  if (config.has_layer_kind(Mixer::kMla)) {
+    const MlaDims s{config.mla_heads, config.qk_nope_dim, config.qk_rope_dim, config.v_head_dim, config.kv_lora_rank};
+    if (!MlaDecodeSupported(s) || s.dn % 16 != 0 || s.dqk() % 16 != 0)
+      return absl::UnimplementedError(absl::StrCat(
+          "MLA kv_lora_rank ", s.r, ", qk_nope_head_dim ", s.dn, ", qk_rope_head_dim ", s.dr,
+          " (the GPU path takes multiples of 16 for kv_lora_rank ≤ 512, qk_nope_head_dim and their sum with "
+          "qk_rope_head_dim, and kv_lora_rank + qk_rope_head_dim ≤ 576)"));
+  }
   if (config.num_experts > 1024)
     return absl::UnimplementedError(
         absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));

@@ -5,14 +5,12 @@
 
 #include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/linear.cuh"
+#include "kernels/cuda/ptx.cuh"
 
 namespace k3::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kQPerLane = 18;  // absorbed query width cw ≤ 32 · 18 = 576 (Kimi: 512 + 64)
-constexpr int kColPairs = 2;   // latent context r ≤ 2 · 2 · 128 = 512 columns per thread block
-constexpr int kTile = 128;     // cache rows per online-softmax step
 constexpr float kNegInf = -INFINITY;
 
 __device__ __forceinline__ float WarpSum(float x) {
@@ -66,99 +64,220 @@ __global__ void QrKernel(int64_t N, MlaDims s, Split q, float* qa) {
   qa[(n * s.nh + h) * s.cw() + s.r + d] = LoadSplit(q.p + n * q.ld + h * s.dqk() + s.dn + d, q.lo);
 }
 
-// Absorbed attention: one CTA per (token, G heads). Scores: a warp per cache row, the G queries in registers
-// (lane holds elements lane + 32i); context: thread owns column pairs 2·tid + 256u of the latent. Online
-// softmax over tiles of kTile rows. ctx[n][h] = Σ_j p_j c_kv[j] (split, [N, nh·r]).
-template <int G>
-__global__ __launch_bounds__(kThreads) void DecodeKernel(MlaDims s, const float* qa, const __nv_bfloat16* cache,
-                                                          int64_t max_ctx, const int32_t* tok_slot,
-                                                          const int32_t* tok_pos, float scale, Split ctx) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t groups = s.nh / G, n = blockIdx.x / groups, h0 = blockIdx.x % groups * G, cw = s.cw();
-  const int64_t L = int64_t{tok_pos[n]} + 1;
-  const __nv_bfloat16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
-  __shared__ float p[G][kTile];
-  __shared__ float run_max[G], run_sum[G], corr[G];
+// Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 16 heads (the MMA's M; heads
+// past nh are zero rows) and one of kSplits contiguous runs of 32-row cache tiles; a merge pass combines the
+// runs. The split is a function of the token's own length only, so a token's result does not depend on the
+// batch. Per tile: S = Q·Cᵀ (warp w: cache rows 8w..8w+7, the query as split hi + lo: two MMAs per
+// cache fragment, so scores keep ~16 bits of q), an online softmax over the 32 scores of each head, then
+// acc += P·C[:, :r] (P as split hi + lo; warp w: column pairs w, w+4, ...). Cache tiles arrive through a
+// two-stage cp.async ring; rows are padded so that the fragment loads are free of bank conflicts.
+constexpr int kHeads = 16;           // heads per CTA: the MMA's M
+constexpr int kRows = 32;            // cache rows per tile: one 8-row n-tile per warp
+constexpr int kSplits = 4;           // CTAs per (token, 16 heads)
+constexpr int kMaxPairs = 8;         // column pairs (16 columns) per warp: r ≤ 4 · 8 · 16 = 512
+constexpr int kPld = kRows + 8;      // P row stride (bf16)
+constexpr int64_t kMaxCw = 576;      // smem is sized from cw; this keeps it under 2 × 64 KB
 
-  float q[G][kQPerLane];
-#pragma unroll
-  for (int h = 0; h < G; ++h)
-#pragma unroll
-    for (int i = 0; i < kQPerLane; ++i) {
-      const int64_t c = lane + 32 * i;
-      q[h][i] = c < cw ? qa[(n * s.nh + h0 + h) * cw + c] : 0.0f;
-    }
-  if (tid < G) run_max[tid] = kNegInf, run_sum[tid] = 0.0f;
-  float acc[G][kColPairs][2] = {};
+static_assert(2 * kHeads * kPld * sizeof(__nv_bfloat16) >= kHeads * kRows * sizeof(float), "S fits in P's space");
 
-  for (int64_t j0 = 0; j0 < L; j0 += kTile) {
-    const int rows = static_cast<int>(min(int64_t{kTile}, L - j0));
-    for (int jj = warp; jj < rows; jj += kThreads / 32) {
-      const __nv_bfloat16* row = C + (j0 + jj) * cw;
-      float dot[G] = {};
-#pragma unroll
-      for (int i = 0; i < kQPerLane; ++i) {
-        const int64_t c = lane + 32 * i;
-        if (c < cw) {
-          const float kv = __bfloat162float(row[c]);
-#pragma unroll
-          for (int h = 0; h < G; ++h) dot[h] += q[h][i] * kv;
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const float d = WarpSum(dot[h]);
-        if (lane == 0) p[h][jj] = d * scale;
-      }
-    }
-    __syncthreads();
-    if (warp < G) {
-      float mx = kNegInf;
-      for (int jj = lane; jj < rows; jj += 32) mx = fmaxf(mx, p[warp][jj]);
-      const float m_new = fmaxf(run_max[warp], WarpMax(mx));
-      float sum = 0.0f;
-      for (int jj = lane; jj < rows; jj += 32) sum += (p[warp][jj] = expf(p[warp][jj] - m_new));
-      sum = WarpSum(sum);
-      __syncwarp();
-      if (lane == 0) {
-        const float c = expf(run_max[warp] - m_new);  // 0 on the first tile (run_max = −inf)
-        corr[warp] = c;
-        run_sum[warp] = run_sum[warp] * c + sum;
-        run_max[warp] = m_new;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-      for (int u = 0; u < kColPairs; ++u) acc[h][u][0] *= corr[h], acc[h][u][1] *= corr[h];
-#pragma unroll 8  // eight rows' loads in flight: one at a time, this loop waits on L2 latency per row
-    for (int jj = 0; jj < rows; ++jj) {
-      const __nv_bfloat16* row = C + (j0 + jj) * cw;
-#pragma unroll
-      for (int u = 0; u < kColPairs; ++u) {
-        const int64_t c = 2 * tid + 2 * kThreads * u;
-        if (c < s.r) {
-          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + c));
-#pragma unroll
-          for (int h = 0; h < G; ++h) acc[h][u][0] += p[h][jj] * v.x, acc[h][u][1] += p[h][jj] * v.y;
-        }
-      }
-    }
-    __syncthreads();  // before the next tile overwrites p
+struct DecodeLayout {
+  int cwp, ldc;  // cw rounded up to 16; row stride of Q and cache tiles (bf16), ≡ 8 mod 16
+  __host__ __device__ explicit DecodeLayout(int64_t cw) : cwp(static_cast<int>((cw + 15) / 16 * 16)), ldc(cwp + 8) {}
+  __host__ __device__ size_t q_elems() const { return size_t{2} * kHeads * ldc; }   // hi, lo
+  __host__ __device__ size_t c_elems() const { return size_t{2} * kRows * ldc; }    // two stages
+  // S [kHeads][kRows] fp32 shares P's space (2.5 KB): 112 KB for cw = 576, so two CTAs fit an SM.
+  __host__ __device__ size_t bytes() const {
+    return (q_elems() + c_elems() + 2 * kHeads * kPld) * sizeof(__nv_bfloat16) + 3 * kHeads * sizeof(float);
   }
+};
+
+// Partials of run g of (token n, head h): acc [N][nh][kSplits][r] (unnormalized), ml [N][nh][kSplits] {max, sum}.
+__global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const float* qa, const __nv_bfloat16* cache,
+                                                             int64_t max_ctx, const int32_t* tok_slot,
+                                                             const int32_t* tok_pos, float scale, float* part_acc,
+                                                             float2* part_ml) {
+  using bf16 = __nv_bfloat16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
+  const int64_t head_tiles = (s.nh + kHeads - 1) / kHeads;
+  const int64_t n = blockIdx.x / head_tiles, h0 = blockIdx.x % head_tiles * kHeads, g = blockIdx.y;
+  const int cw = static_cast<int>(s.cw()), r = static_cast<int>(s.r);
+  const DecodeLayout lay(cw);
+  const int ldc = lay.ldc, cwp = lay.cwp;
+  bf16* q_s = reinterpret_cast<bf16*>(smem_raw);    // [2][kHeads][ldc]
+  bf16* c_s = q_s + lay.q_elems();                  // [2][kRows][ldc]
+  bf16* p_s = c_s + lay.c_elems();                  // [2][kHeads][kPld]
+  float* s_s = reinterpret_cast<float*>(p_s);       // [kHeads][kRows], read before P is written
+  float* m_s = reinterpret_cast<float*>(p_s + 2 * kHeads * kPld);
+  float* l_s = m_s + kHeads;
+  float* corr_s = l_s + kHeads;
+
+  const int64_t L = int64_t{tok_pos[n]} + 1, tiles = (L + kRows - 1) / kRows, per = (tiles + kSplits - 1) / kSplits;
+  const int64_t t_begin = g * per, t_end = min(tiles, t_begin + per);
+  const bf16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
+  const int chunks = cw / 8;  // 16-byte chunks per cache row
+
+  auto load_tile = [&](int64_t t, int stage) {
+    bf16* dst = c_s + stage * kRows * ldc;
+    for (int i = tid; i < kRows * chunks; i += kThreads) {
+      const int row = i / chunks, ch = i % chunks;
+      const int64_t j = t * kRows + row;
+      const bool valid = j < L;
+      ptx::CpAsync16(dst + row * ldc + ch * 8, C + (valid ? j : 0) * cw + ch * 8, valid ? 16 : 0);
+    }
+    ptx::CpAsyncCommit();
+  };
+  if (t_begin < t_end) load_tile(t_begin, 0);
+
+  // Query (hi, lo) of the 16 heads; padding columns of Q and of both cache stages are zeros.
+  for (int i = tid; i < kHeads * cwp; i += kThreads) {
+    const int h = i / cwp, c = i % cwp;
+    const float v = h0 + h < s.nh && c < cw ? qa[(n * s.nh + h0 + h) * cw + c] : 0.0f;
+    const bf16 hi = __float2bfloat16_rn(v);
+    q_s[h * ldc + c] = hi;
+    q_s[(kHeads + h) * ldc + c] = __float2bfloat16_rn(v - __bfloat162float(hi));
+  }
+  for (int i = tid; i < 2 * kRows * (cwp - cw); i += kThreads)
+    c_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
+  if (tid < kHeads) m_s[tid] = kNegInf, l_s[tid] = 0.0f;
+
+  const int pairs = r / 16;
+  float acc[kMaxPairs][2][4] = {};
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int stage = static_cast<int>((t - t_begin) & 1);
+    if (t + 1 < t_end) {
+      load_tile(t + 1, stage ^ 1);
+      ptx::CpAsyncWaitGroup<1>();
+    } else {
+      ptx::CpAsyncWaitGroup<0>();
+    }
+    __syncthreads();
+    const bf16* ct = c_s + stage * kRows * ldc;
+
+    // S rows of this warp: c0/c1 = (head gid, rows 2tig, 2tig+1), c2/c3 = head gid + 8.
+    float sc[4] = {};
+    const bf16* brow = ct + (warp * 8 + gid) * ldc + 2 * tig;
+    for (int k0 = 0; k0 < cwp; k0 += 16) {
+      uint32_t ah[4], al[4];
+      const bf16* qh = q_s + gid * ldc + k0 + 2 * tig;
+      const bf16* ql = qh + kHeads * ldc;
+      ah[0] = *reinterpret_cast<const uint32_t*>(qh);
+      ah[1] = *reinterpret_cast<const uint32_t*>(qh + 8 * ldc);
+      ah[2] = *reinterpret_cast<const uint32_t*>(qh + 8);
+      ah[3] = *reinterpret_cast<const uint32_t*>(qh + 8 * ldc + 8);
+      al[0] = *reinterpret_cast<const uint32_t*>(ql);
+      al[1] = *reinterpret_cast<const uint32_t*>(ql + 8 * ldc);
+      al[2] = *reinterpret_cast<const uint32_t*>(ql + 8);
+      al[3] = *reinterpret_cast<const uint32_t*>(ql + 8 * ldc + 8);
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow + k0);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + k0 + 8);
+      ptx::Mma(sc, ah, b0, b1);
+      ptx::Mma(sc, al, b0, b1);
+    }
+    const int64_t j = t * kRows + warp * 8 + 2 * tig;
+    s_s[gid * kRows + warp * 8 + 2 * tig] = j < L ? sc[0] * scale : kNegInf;
+    s_s[gid * kRows + warp * 8 + 2 * tig + 1] = j + 1 < L ? sc[1] * scale : kNegInf;
+    s_s[(gid + 8) * kRows + warp * 8 + 2 * tig] = j < L ? sc[2] * scale : kNegInf;
+    s_s[(gid + 8) * kRows + warp * 8 + 2 * tig + 1] = j + 1 < L ? sc[3] * scale : kNegInf;
+    __syncthreads();
+
+    // Online softmax: 8 threads per head, 4 scores each (a tile's first row is always valid).
+    {
+      const int h = tid >> 3, c0 = (tid & 7) * 4;
+      float v[4], mx = kNegInf;
 #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    const float inv = 1.0f / run_sum[h];
+      for (int i = 0; i < 4; ++i) mx = fmaxf(mx, v[i] = s_s[h * kRows + c0 + i]);
+      __syncthreads();  // every score is read before P overwrites them
+      for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = m_s[h], m_new = fmaxf(m_old, mx), sum_old = l_s[h];
+      float sum = 0.0f;
 #pragma unroll
-    for (int u = 0; u < kColPairs; ++u) {
-      const int64_t c = 2 * tid + 2 * kThreads * u;
-      if (c < s.r) {
-        __nv_bfloat16* o = ctx.p + n * ctx.ld + (h0 + h) * s.r + c;
-        StoreSplit(o, ctx.lo, acc[h][u][0] * inv);
-        StoreSplit(o + 1, ctx.lo, acc[h][u][1] * inv);
+      for (int i = 0; i < 4; ++i) {
+        const float p = expf(v[i] - m_new);  // masked rows: exp(−inf) = 0
+        sum += p;
+        const bf16 hi = __float2bfloat16_rn(p);
+        p_s[h * kPld + c0 + i] = hi;
+        p_s[(kHeads + h) * kPld + c0 + i] = __float2bfloat16_rn(p - __bfloat162float(hi));
+      }
+      for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if ((tid & 7) == 0) {
+        const float c = expf(m_old - m_new);  // 0 on the first tile (m_old = −inf)
+        corr_s[h] = c, l_s[h] = sum_old * c + sum, m_s[h] = m_new;
       }
     }
+    __syncthreads();
+
+    // acc = acc · corr + P · V over this tile's 32 rows (two k-steps).
+    const float cr0 = corr_s[gid], cr1 = corr_s[gid + 8];
+#pragma unroll
+    for (int pi = 0; pi < kMaxPairs; ++pi)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) acc[pi][u][0] *= cr0, acc[pi][u][1] *= cr0, acc[pi][u][2] *= cr1, acc[pi][u][3] *= cr1;
+#pragma unroll
+    for (int kk = 0; kk < kRows; kk += 16) {
+      uint32_t ah[4], al[4];
+      const bf16* ph = p_s + gid * kPld + kk + 2 * tig;
+      const bf16* pl = ph + kHeads * kPld;
+      ah[0] = *reinterpret_cast<const uint32_t*>(ph);
+      ah[1] = *reinterpret_cast<const uint32_t*>(ph + 8 * kPld);
+      ah[2] = *reinterpret_cast<const uint32_t*>(ph + 8);
+      ah[3] = *reinterpret_cast<const uint32_t*>(ph + 8 * kPld + 8);
+      al[0] = *reinterpret_cast<const uint32_t*>(pl);
+      al[1] = *reinterpret_cast<const uint32_t*>(pl + 8 * kPld);
+      al[2] = *reinterpret_cast<const uint32_t*>(pl + 8);
+      al[3] = *reinterpret_cast<const uint32_t*>(pl + 8 * kPld + 8);
+#pragma unroll
+      for (int pi = 0; pi < kMaxPairs; ++pi) {
+        const int pair = warp + 4 * pi;
+        if (pair < pairs) {
+          uint32_t b[4];
+          ptx::LdMatrixX4Trans(b, ptx::FragBT(ct, ldc, kk, pair * 16, lane));
+          ptx::Mma(acc[pi][0], ah, b[0], b[1]);
+          ptx::Mma(acc[pi][0], al, b[0], b[1]);
+          ptx::Mma(acc[pi][1], ah, b[2], b[3]);
+          ptx::Mma(acc[pi][1], al, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // before the next tile's loads and scores overwrite this stage, S and P
+  }
+
+  // Partials: rows gid / gid + 8 are heads h0 + gid / h0 + gid + 8; columns pair·16 + u·8 + 2tig (+1).
+  const int64_t base = (n * s.nh + h0) * kSplits + g;
+#pragma unroll
+  for (int pi = 0; pi < kMaxPairs; ++pi) {
+    const int pair = warp + 4 * pi;
+    if (pair >= pairs || t_begin >= t_end) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int c = pair * 16 + u * 8 + 2 * tig;
+      if (h0 + gid < s.nh)
+        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid} * kSplits) * r + c) =
+            make_float2(acc[pi][u][0], acc[pi][u][1]);
+      if (h0 + gid + 8 < s.nh)
+        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid + 8} * kSplits) * r + c) =
+            make_float2(acc[pi][u][2], acc[pi][u][3]);
+    }
+  }
+  if (tid < kHeads && h0 + tid < s.nh) part_ml[base + int64_t{tid} * kSplits] = make_float2(m_s[tid], l_s[tid]);
+}
+
+// ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the runs that had rows (l_g > 0), in g order.
+__global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const float* part_acc, const float2* part_ml,
+                                                               Split ctx) {
+  const int64_t nh_row = blockIdx.x, n = nh_row / s.nh, h = nh_row % s.nh;
+  const float2* ml = part_ml + nh_row * kSplits;
+  float M = kNegInf;
+  for (int g = 0; g < kSplits; ++g)
+    if (ml[g].y > 0.0f) M = fmaxf(M, ml[g].x);
+  float w[kSplits], total = 0.0f;
+  for (int g = 0; g < kSplits; ++g) total += (w[g] = ml[g].y > 0.0f ? expf(ml[g].x - M) : 0.0f) * ml[g].y;
+  const float inv = 1.0f / total;
+  for (int64_t c = threadIdx.x; c < s.r; c += kThreads) {
+    float o = 0.0f;
+    for (int g = 0; g < kSplits; ++g)
+      if (w[g] > 0.0f) o += w[g] * part_acc[(nh_row * kSplits + g) * s.r + c];
+    StoreSplit(ctx.p + n * ctx.ld + h * s.r + c, ctx.lo, o * inv);
   }
 }
 
@@ -238,19 +357,30 @@ cudaError_t MlaTransposeUk(const MlaDims& s, const __nv_bfloat16* kv_b, __nv_bfl
   return cudaGetLastError();
 }
 
+// 16-byte cache rows, 16-column pairs over r, the kernel's smem sized for cw ≤ 576.
+bool MlaDecodeSupported(const MlaDims& s) {
+  return s.nh > 0 && s.cw() % 8 == 0 && s.cw() <= kMaxCw && s.r % 16 == 0 && s.r <= 4 * kMaxPairs * 16;
+}
+
 size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N) {
-  return Round256(N * s.nh * s.cw() * sizeof(float)) + Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16));
+  return Round256(N * s.nh * s.cw() * sizeof(float)) + Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16)) +
+         Round256(N * s.nh * kSplits * s.r * sizeof(float)) + Round256(N * s.nh * kSplits * sizeof(float2));
 }
 
 cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
                       const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
                       const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, cudaStream_t stream) {
-  if (s.cw() > 32 * kQPerLane || s.r > 2 * kThreads * kColPairs || s.r % 2 != 0) return cudaErrorNotSupported;
+  if (!MlaDecodeSupported(s)) return cudaErrorNotSupported;
   if (N < 0 || !workspace) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
-  float* qa = static_cast<float*>(workspace);
-  __nv_bfloat16* ctx = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(workspace) +
-                                                        Round256(N * s.nh * s.cw() * sizeof(float)));
+  char* ws = static_cast<char*>(workspace);
+  float* qa = reinterpret_cast<float*>(ws);
+  ws += Round256(N * s.nh * s.cw() * sizeof(float));
+  __nv_bfloat16* ctx = reinterpret_cast<__nv_bfloat16*>(ws);
+  ws += Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16));
+  float* part_acc = reinterpret_cast<float*>(ws);
+  ws += Round256(N * s.nh * kSplits * s.r * sizeof(float));
+  float2* part_ml = reinterpret_cast<float2*>(ws);
   const Split ctx_split{ctx, s.nh * s.r, N * s.nh * s.r};
 
   // qa[:, h, :r] = q_nope[h] · W_UK[h], one group per head.
@@ -263,15 +393,15 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   QrKernel<<<Blocks256(N * s.nh * s.dr), 256, 0, stream>>>(N, s, q, qa);
   K3_CUDA_TRY(cudaGetLastError());
 
-  const int G = s.nh % 4 == 0 ? 4 : s.nh % 2 == 0 ? 2 : 1;
-  const unsigned blocks = static_cast<unsigned>(N * (s.nh / G));
-  if (G == 4) {
-    DecodeKernel<4><<<blocks, kThreads, 0, stream>>>(s, qa, cache, max_ctx, tok_slot, tok_pos, scale, ctx_split);
-  } else if (G == 2) {
-    DecodeKernel<2><<<blocks, kThreads, 0, stream>>>(s, qa, cache, max_ctx, tok_slot, tok_pos, scale, ctx_split);
-  } else {
-    DecodeKernel<1><<<blocks, kThreads, 0, stream>>>(s, qa, cache, max_ctx, tok_slot, tok_pos, scale, ctx_split);
-  }
+  const size_t smem = DecodeLayout(s.cw()).bytes();
+  static const cudaError_t attr = cudaFuncSetAttribute(DecodeMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(DecodeLayout(kMaxCw).bytes()));
+  K3_CUDA_TRY(attr);
+  const dim3 grid(static_cast<unsigned>(N * ((s.nh + kHeads - 1) / kHeads)), kSplits);
+  DecodeMmaKernel<<<grid, kThreads, smem, stream>>>(s, qa, cache, max_ctx, tok_slot, tok_pos, scale, part_acc,
+                                                     part_ml);
+  K3_CUDA_TRY(cudaGetLastError());
+  DecodeMergeKernel<<<static_cast<unsigned>(N * s.nh), kThreads, 0, stream>>>(s, part_acc, part_ml, ctx_split);
   K3_CUDA_TRY(cudaGetLastError());
 
   // out[:, h] = ctx[h] · W_UV[h]ᵀ.

@@ -5,7 +5,7 @@
 //   kv_b  bf16 [nh·(dn + dv), r] (per head: dn rows of W_UK, then dv rows of W_UV)
 //   out   split [T, nh·dv]
 // Decode uses the absorbed form (W_UK folded into the query, W_UV after the latent context: the cache is read
-// in its compressed width); prefill the expanded one (keys and values rebuilt through kv_b, then two batched
+// in its compressed width, on the tensor cores, split over CTAs and merged); prefill the expanded one (keys and values rebuilt through kv_b, then two batched
 // products on the tensor cores). The products run through linear.cuh.
 #pragma once
 
@@ -41,7 +41,9 @@ cudaError_t MlaCacheAppend(int64_t N, const MlaDims& s, Split c, const float* no
 cudaError_t MlaTransposeUk(const MlaDims& s, const __nv_bfloat16* kv_b, __nv_bfloat16* w_ukt, cudaStream_t stream);
 
 // Decode: token n (of sequence slot[n], at position pos[n], its own row already appended) attends to its
-// cache rows 0..pos[n].
+// cache rows 0..pos[n]. Takes cw = r + dr a multiple of 8 up to 576 and r a multiple of 16 up to 512
+// (MlaDecodeSupported); other shapes get cudaErrorNotSupported.
+bool MlaDecodeSupported(const MlaDims& s);
 size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N);
 cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
                       const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,

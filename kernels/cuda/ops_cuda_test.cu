@@ -314,7 +314,8 @@ MlaProblem MakeMla(const MlaDims& s, int64_t T, int64_t L, uint32_t seed) {
 // Prefill (expanded) of T tokens after P cached ones; decode (absorbed) of one token per sequence.
 TEST(MlaCuda, PrefillAndDecodeMatchReference) {
   REQUIRE_GPU();
-  for (const MlaDims s : {MlaDims{4, 32, 16, 32, 32}, MlaDims{32, 128, 64, 128, 512}}) {
+  // Tiny goldens' shape; 20 heads (a partial 16-head tile) with cw = 72 (padded to 80 columns); Kimi's.
+  for (const MlaDims s : {MlaDims{4, 32, 16, 32, 32}, MlaDims{20, 32, 8, 32, 64}, MlaDims{32, 128, 64, 128, 512}}) {
     const int64_t P = 37, T = 90, L = P + T;
     const float scale = 1.0f / std::sqrt(float(s.dqk()));
     const cpu::MlaShape cs{s.nh, s.dn, s.dr, s.dv, s.r};
@@ -324,13 +325,19 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
     DeviceBuffer<uint16_t> dq(p.qs), dcache(p.cache_b), dkv(p.kv_bb), dout(2 * T * s.nh * s.dv);
     const int64_t Tq = 64;  // two query tiles
     DeviceBuffer<char> ws(MlaPrefillWorkspaceBytes(s, L, Tq));
-    CUDA_OK(MlaPrefill(s, T, P, Split{dq.bf(), s.nh * s.dqk(), T * s.nh * s.dqk()}, dcache.bf(), dkv.bf(), scale,
-                       Split{dout.bf(), s.nh * s.dv, T * s.nh * s.dv}, Tq, ws.get(), nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_LT(Rel(FromSplit(dout.ToHost(), T * s.nh * s.dv), ref), 1e-2) << "prefill nh " << s.nh;
+    const cudaError_t pre = MlaPrefill(s, T, P, Split{dq.bf(), s.nh * s.dqk(), T * s.nh * s.dqk()}, dcache.bf(),
+                                       dkv.bf(), scale, Split{dout.bf(), s.nh * s.dv, T * s.nh * s.dv}, Tq, ws.get(),
+                                       nullptr);
+    if (s.dqk() % 16 != 0) {
+      EXPECT_EQ(pre, cudaErrorInvalidValue) << "prefill's products take dqk % 16 == 0";
+    } else {
+      CUDA_OK(pre);
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_LT(Rel(FromSplit(dout.ToHost(), T * s.nh * s.dv), ref), 1e-2) << "prefill nh " << s.nh;
+    }
 
     // Decode: four sequences in slots 1, 0, 3, 2 of a pool of max_ctx rows, at positions 0, 20, 600 and Ld − 1
-    // of a 1100-row cache (the cache is split over CTAs in 128-row tiles: empty splits, one tile, several).
+    // of a 1100-row cache (32-row tiles in 4 runs per token: empty runs, one partial tile, runs of 9 tiles).
     const int64_t Ld = 1100, max_ctx = Ld + 3, N = 4;
     const MlaProblem pc = MakeMla(s, 1, Ld, 31);
     const std::vector<int32_t> slot = {1, 0, 3, 2}, pos = {0, 20, 600, static_cast<int32_t>(Ld - 1)};
@@ -351,6 +358,9 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_LT(Rel(FromSplit(dod.ToHost(), N * s.nh * s.dv), dref), 2e-3) << "decode nh " << s.nh;
   }
+  EXPECT_FALSE(MlaDecodeSupported(MlaDims{4, 32, 4, 32, 32}));     // cw = 36: rows not 16-byte aligned
+  EXPECT_FALSE(MlaDecodeSupported(MlaDims{4, 32, 64, 32, 520}));   // r > 512
+  EXPECT_TRUE(MlaDecodeSupported(MlaDims{64, 128, 64, 128, 512}));  // K3
 }
 
 TEST(MlaCuda, CacheAppendNormalizes) {
