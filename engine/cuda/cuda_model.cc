@@ -639,9 +639,9 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   KdaConvArgs ca;
   ca.N = N, ca.C = 3 * HD, ca.K = c.conv_kernel, ca.x = win, ca.w = w.conv, ca.state = conv_state[l];
   ca.tok_start = md[kTokStart], ca.tok_slot = md[kTokSlot];
-  ca.out[0] = qc, ca.out[1] = kc, ca.out[2] = vc, ca.out_bf16 = tuned;
-  K3_CUDA_OK(KdaConv(ca, stream));
-  K3_CUDA_OK(KdaConvUpdateState(ca, num_chunks, md[kChStart], md[kChLen], md[kChSlot], stream));
+  ca.out[0] = qc, ca.out[1] = kc, ca.out[2] = vc, ca.out_bf16 = tuned, ca.decode_tokens = nd;
+  K3_CUDA_OK(KdaConv(ca, stream));  // also advances the decode tokens' states: the chunks after them remain
+  K3_CUDA_OK(KdaConvUpdateState(ca, np, md[kChStart] + nd, md[kChLen] + nd, md[kChSlot] + nd, stream));
 
   const KdaGate gk = c.kda_gate_bounded ? KdaGate::kBounded : KdaGate::kSoftplus;
   phase.emplace(*this, "kda.core");
@@ -957,6 +957,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
           " (the GPU path takes multiples of 16 for kv_lora_rank ≤ 512, qk_nope_head_dim and their sum with "
           "qk_rope_head_dim, and kv_lora_rank + qk_rope_head_dim ≤ 576)"));
   }
+  if (config.has_layer_kind(Mixer::kKda) && config.conv_kernel > kKdaConvMaxK)
+    return absl::UnimplementedError(
+        absl::StrCat("short_conv_kernel_size ", config.conv_kernel, " (the GPU conv takes ≤ ", kKdaConvMaxK, ")"));
   if (config.num_experts > 1024)
     return absl::UnimplementedError(
         absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));

@@ -9,6 +9,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
+constexpr int kMaxK = static_cast<int>(kKdaConvMaxK);  // unrolled (Kimi: K = 4): the K loads are in flight together
+
 // One thread per (token, channel). Grid: (channel blocks, token stride); 32-bit channel math.
 __global__ void ConvKernel(KdaConvArgs a) {
   const int c = blockIdx.x * kThreads + threadIdx.x, C = static_cast<int>(a.C), K = static_cast<int>(a.K);
@@ -16,13 +18,26 @@ __global__ void ConvKernel(KdaConvArgs a) {
   const int S = K - 1, third = C / 3, part = c / third;
   for (int t = blockIdx.y; t < a.N; t += gridDim.y) {
     const int start = a.tok_start[t];
-    const float* state = a.state + int64_t{a.tok_slot[t]} * S * C + c;
-    float acc = 0.0f;
-    for (int j = 0; j < K; ++j) {
+    float* state = a.state + int64_t{a.tok_slot[t]} * S * C + c;
+    float in[kMaxK];
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= K) break;
       const int src = t - S + j;  // input row; before the chunk: state row S + (src − start)
-      const float in = src >= start ? LoadSplit(a.x.p + int64_t{src} * a.x.ld + c, a.x.lo)
-                                    : state[int64_t{S + src - start} * C];
-      acc += a.w[c * K + j] * in;
+      in[j] = src >= start ? LoadSplit(a.x.p + int64_t{src} * a.x.ld + c, a.x.lo) : state[int64_t{S + src - start} * C];
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= K) break;
+      acc += a.w[c * K + j] * in[j];
+    }
+    if (t < a.decode_tokens) {  // a one-token chunk: its state becomes its last K − 1 inputs
+#pragma unroll
+      for (int j = 1; j < kMaxK; ++j) {
+        if (j >= K) break;
+        state[int64_t{j - 1} * C] = in[j];
+      }
     }
     const float y = acc / (1.0f + expf(-acc));
     const int64_t col = int64_t{t} * third + (c - part * third);
@@ -58,6 +73,7 @@ cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream) {
   if (a.N < 0 || a.C <= 0 || a.C % 3 != 0 || a.K < 2 || !a.x.p || !a.w || !a.state || !a.tok_start || !a.tok_slot ||
       !a.out[0] || !a.out[1] || !a.out[2])
     return cudaErrorInvalidValue;
+  if (a.decode_tokens < 0 || a.decode_tokens > a.N || a.K > kMaxK) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
   if (a.C > 0x7fffffff || a.N > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((a.C + kThreads - 1) / kThreads),

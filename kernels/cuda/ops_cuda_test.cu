@@ -216,39 +216,53 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
 
 // Three chunks (a prefill longer than the window, a decode token, a chunk shorter than the state) against
 // the CPU conv with the same states.
+// Ragged chunks with state; then two decode tokens in front, whose states KdaConv advances itself.
 TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
   REQUIRE_GPU();
-  const int64_t C = 3 * 40, K = 4, S = K - 1;
-  const std::vector<int32_t> len = {9, 1, 2}, slot = {2, 0, 3};
-  const int64_t N = 12, slots = 4;
-  std::vector<float> x = Randn(N * C, 17), w = Randn(C * K, 18, 0.5f), state = Randn(slots * S * C, 19);
-  const std::vector<uint16_t> xs = ToSplitPlanes(x);
-  std::vector<int32_t> start = {0, 9, 10}, tok_start, tok_slot;
-  for (size_t c = 0; c < len.size(); ++c)
-    for (int32_t t = 0; t < len[c]; ++t) tok_start.push_back(start[c]), tok_slot.push_back(slot[c]);
-  DeviceBuffer<uint16_t> dx(xs);
-  DeviceBuffer<float> dw(w), dstate(state), q(N * C / 3), k(N * C / 3), v(N * C / 3);
-  DeviceBuffer<int32_t> dts(tok_start), dtslot(tok_slot), dcs(start), dcl(len), dcslot(slot);
-  KdaConvArgs a;
-  a.N = N, a.C = C, a.K = K, a.x = Split{dx.bf(), C, N * C}, a.w = dw.get(), a.state = dstate.get();
-  a.tok_start = dts.get(), a.tok_slot = dtslot.get(), a.out[0] = q.get(), a.out[1] = k.get(), a.out[2] = v.get();
-  a.out_bf16 = false;
-  CUDA_OK(KdaConv(a, nullptr));
-  CUDA_OK(KdaConvUpdateState(a, 3, dcs.get(), dcl.get(), dcslot.get(), nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  std::vector<float> ref(N * C), ref_state = state;
-  for (size_t c = 0; c < len.size(); ++c)
-    cpu::CausalConv1dSiluRef(len[c], C, K, x.data() + start[c] * C, w.data(), ref_state.data() + slot[c] * S * C,
-                             ref.data() + start[c] * C);
-  const auto hq = q.ToHost(), hk = k.ToHost(), hv = v.ToHost();
-  std::vector<float> got(N * C);
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t c = 0; c < C; ++c) {
-      const auto& part = c < C / 3 ? hq : c < 2 * C / 3 ? hk : hv;
-      got[t * C + c] = part[t * (C / 3) + c % (C / 3)];
-    }
-  EXPECT_LT(Rel(got, ref), 1e-5);
-  EXPECT_LT(Rel(dstate.ToHost(), ref_state), 1e-6);
+  struct Layout {
+    std::vector<int32_t> len, slot;
+    int64_t decode;
+  };
+  for (const Layout& lay : {Layout{{9, 1, 2}, {2, 0, 3}, 0}, Layout{{1, 1, 9, 2}, {3, 0, 1, 4}, 2}}) {
+    const int64_t C = 3 * 40, K = 4, S = K - 1, slots = 5, chunks = static_cast<int64_t>(lay.len.size());
+    std::vector<int32_t> start, tok_start, tok_slot;
+    for (int64_t c = 0, row = 0; c < chunks; row += lay.len[c++]) start.push_back(static_cast<int32_t>(row));
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int32_t t = 0; t < lay.len[c]; ++t) tok_start.push_back(start[c]), tok_slot.push_back(lay.slot[c]);
+    const int64_t N = static_cast<int64_t>(tok_start.size());
+    std::vector<float> x = Randn(N * C, 17), w = Randn(C * K, 18, 0.5f), state = Randn(slots * S * C, 19);
+    const std::vector<uint16_t> xs = ToSplitPlanes(x);
+    DeviceBuffer<uint16_t> dx(xs);
+    DeviceBuffer<float> dw(w), dstate(state), q(N * C / 3), k(N * C / 3), v(N * C / 3);
+    DeviceBuffer<int32_t> dts(tok_start), dtslot(tok_slot), dcs(start), dcl(lay.len), dcslot(lay.slot);
+    KdaConvArgs a;
+    a.N = N, a.C = C, a.K = K, a.x = Split{dx.bf(), C, N * C}, a.w = dw.get(), a.state = dstate.get();
+    a.tok_start = dts.get(), a.tok_slot = dtslot.get(), a.out[0] = q.get(), a.out[1] = k.get(), a.out[2] = v.get();
+    a.out_bf16 = false, a.decode_tokens = lay.decode;
+    CUDA_OK(KdaConv(a, nullptr));
+    const int64_t d = lay.decode;
+    CUDA_OK(KdaConvUpdateState(a, chunks - d, dcs.get() + d, dcl.get() + d, dcslot.get() + d, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> ref(N * C), ref_state = state;
+    for (int64_t c = 0; c < chunks; ++c)
+      cpu::CausalConv1dSiluRef(lay.len[c], C, K, x.data() + start[c] * C, w.data(),
+                               ref_state.data() + lay.slot[c] * S * C, ref.data() + start[c] * C);
+    const auto hq = q.ToHost(), hk = k.ToHost(), hv = v.ToHost();
+    std::vector<float> got(N * C);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        const auto& part = c < C / 3 ? hq : c < 2 * C / 3 ? hk : hv;
+        got[t * C + c] = part[t * (C / 3) + c % (C / 3)];
+      }
+    EXPECT_LT(Rel(got, ref), 1e-5) << "decode tokens " << d;
+    EXPECT_LT(Rel(dstate.ToHost(), ref_state), 1e-6) << "decode tokens " << d;
+    KdaConvArgs bad = a;
+    bad.K = kKdaConvMaxK + 1;
+    EXPECT_EQ(KdaConv(bad, nullptr), cudaErrorInvalidValue);
+    bad = a;
+    bad.decode_tokens = N + 1;
+    EXPECT_EQ(KdaConv(bad, nullptr), cudaErrorInvalidValue);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ KDA
