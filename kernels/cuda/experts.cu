@@ -32,7 +32,7 @@ struct MoeWorkspace::Buffers {
   int32_t* offsets = nullptr;    // [E + 1]
   int32_t* slot_pair = nullptr;  // [P]
   int32_t* pair_slot = nullptr;  // [P]
-  int2* tiles = nullptr;         // [E + P / 64]: {expert, first slot}
+  int2* tiles = nullptr;         // [E + P / 16]: {expert, first slot}
   int32_t* num_tiles = nullptr;  // [1]
   bf16* h = nullptr;             // [P, I]
   bf16* y = nullptr;             // [P, D]
@@ -442,9 +442,14 @@ cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaS
 // On the H200 at 8 tokens per expert this streamed 3.87–3.95 TB/s; 64 rows with 4 or 6 stages (64 / 96 KB)
 // and 32-token tiles with 6 stages gave 3.44, 2.64 and 3.78 TB/s in the same run.
 using Tile = TileShape<8, 64, 4>;
+// Split batches with few pairs per expert (the GPU engine's decode): 32-row token tiles (16 tokens) and five
+// stages fit two CTAs per SM with 128 KB of weights in flight per SM instead of 96 KB. The tile shape does not
+// change a row's sums (same k order, hi + lo added in the epilogue), so the choice keeps batch invariance.
+using SmallTile = TileShape<8, 32, 5>;
+constexpr int64_t kSmallTileMaxPairsPerExpert = 16;
 
+template <class S>
 cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
-  using S = Tile;
   static const cudaError_t attr = [] {
     constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
     cudaError_t err = cudaFuncSetAttribute(ExpertTileKernel<true, S>, kAttr, S::kSmem);
@@ -593,7 +598,7 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   if (err == cudaSuccess) err = cudaMalloc(&b.offsets, (E + 1) * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.slot_pair, Pc * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.pair_slot, Pc * sizeof(int32_t));
-  if (err == cudaSuccess) err = cudaMalloc(&b.tiles, (E + P / (Tile::kTokens / 2) + 1) * sizeof(int2));
+  if (err == cudaSuccess) err = cudaMalloc(&b.tiles, (E + P / (SmallTile::kTokens / 2) + 1) * sizeof(int2));
   if (err == cudaSuccess) err = cudaMalloc(&b.num_tiles, sizeof(int32_t));
   // h and y with a second plane for the split path.
   if (err == cudaSuccess) err = cudaMalloc(&b.h, 2 * Pc * std::max<int64_t>(I, 1) * sizeof(bf16));
@@ -623,11 +628,12 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
     return cudaErrorInvalidValue;
   if (gemm == MoeGemm::kAuto)
     gemm = split || P <= kMoeTiledMaxPairsPerExpert * E ? MoeGemm::kTiled : MoeGemm::kCublas;
-  const bool tiled = gemm == MoeGemm::kTiled;
-  cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot,
-                            split ? Tile::kTokens / 2 : Tile::kTokens, tiled ? b.tiles : nullptr,
-                            tiled ? b.num_tiles : nullptr, a.experts_hit, stream);
-  if (err == cudaSuccess) err = tiled ? RunTiled(a, b, stream) : RunCublas(a, b, stream);
+  const bool tiled = gemm == MoeGemm::kTiled, small = split && P <= kSmallTileMaxPairsPerExpert * E;
+  const int tile_tokens = small ? SmallTile::kTokens / 2 : split ? Tile::kTokens / 2 : Tile::kTokens;
+  cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, tile_tokens,
+                            tiled ? b.tiles : nullptr, tiled ? b.num_tiles : nullptr, a.experts_hit, stream);
+  if (err == cudaSuccess)
+    err = !tiled ? RunCublas(a, b, stream) : small ? RunTiled<SmallTile>(a, b, stream) : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;
   if (split) {
     CombineSplitKernel<<<GridFor(a.N * a.D, 256), 256, 0, stream>>>(a.N, a.D, static_cast<int>(a.top_k), b.pair_slot,

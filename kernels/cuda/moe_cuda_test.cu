@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -269,6 +270,10 @@ std::vector<std::pair<std::string, Routing>> Routings(int64_t E) {
     Routing r{150, 1, std::vector<int32_t>(150, 1), weights(150)};
     v.emplace_back("all on one expert", r);
   }
+  {  // 40 tokens on one expert: three 16-token tiles when the split path takes its small tiles
+    Routing r{40, 1, std::vector<int32_t>(40, 0), weights(40)};
+    v.emplace_back("40 on one expert", r);
+  }
   {  // a token with no pair here, and skewed counts
     Routing r{65, 3, {}, {}};
     for (int64_t n = 0; n < r.N; ++n)
@@ -346,6 +351,40 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
       }
     }
   }
+}
+
+// The split path picks 16- or 32-token tiles by pairs per expert; a token's output must not change with it:
+// the first 40 tokens alone (80 pairs over 9 experts: small tiles) and inside 300 tokens (large tiles).
+TEST(MoeExpertsCuda, SplitTileShapesAgreeBitForBit) {
+  REQUIRE_GPU();
+  const int64_t E = 9, D = 200, I = 72, k = 2, N = 300, n = 40;
+  const Experts ex(E, D, I, 310);
+  std::mt19937 rng(11);
+  std::vector<int32_t> idx(N * k);
+  std::vector<float> w(N * k), x = Random(N * D, 60, 1.0f);
+  for (int64_t i = 0; i < N * k; ++i) idx[i] = static_cast<int32_t>(rng() % E), w[i] = 0.1f + (rng() % 100) / 100.0f;
+  auto run = [&](int64_t rows) {
+    std::vector<uint16_t> planes(2 * rows * D);
+    for (int64_t i = 0; i < rows * D; ++i) {
+      planes[i] = FloatToBf16(x[i]);
+      planes[rows * D + i] = FloatToBf16(x[i] - Bf16ToFloat(planes[i]));
+    }
+    DeviceBuffer<uint16_t> dx(planes);
+    DeviceBuffer<float> out(rows * D), dw(std::vector<float>(w.begin(), w.begin() + rows * k));
+    DeviceBuffer<int32_t> didx(std::vector<int32_t>(idx.begin(), idx.begin() + rows * k));
+    MoeWorkspace ws;
+    MoeExpertsArgs a;
+    a.N = rows, a.D = D, a.I = I, a.top_k = k, a.num_experts = E;
+    a.x = reinterpret_cast<const __nv_bfloat16*>(dx.get()), a.x_lo = rows * D, a.idx = didx.get(), a.w = dw.get();
+    a.w1 = ex.p1->get(), a.w3 = ex.p3->get(), a.w2 = ex.p2->get(), a.act = GluAct::kSitu, a.out_f32 = out.get();
+    EXPECT_EQ(ws.Reserve(rows * k, D, I, E), cudaSuccess);
+    EXPECT_EQ(MoeExperts(a, MoeGemm::kAuto, ws, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return out.ToHost();
+  };
+  const std::vector<float> alone = run(n), batched = run(N);
+  ASSERT_EQ(alone.size(), static_cast<size_t>(n * D));
+  EXPECT_EQ(std::memcmp(alone.data(), batched.data(), alone.size() * sizeof(float)), 0);
 }
 
 TEST(MoeExpertsCuda, ReproducibleAndPathsAgree) {
