@@ -270,7 +270,7 @@ std::vector<std::pair<std::string, Routing>> Routings(int64_t E) {
     Routing r{150, 1, std::vector<int32_t>(150, 1), weights(150)};
     v.emplace_back("all on one expert", r);
   }
-  {  // 40 tokens on one expert: three 16-token tiles when the split path takes its small tiles
+  {  // 40 tokens on one expert: five 8-token tiles when the split path takes its small tiles
     Routing r{40, 1, std::vector<int32_t>(40, 0), weights(40)};
     v.emplace_back("40 on one expert", r);
   }
@@ -353,11 +353,11 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
   }
 }
 
-// The split path picks 16- or 32-token tiles by pairs per expert; a token's output must not change with it:
-// the first 40 tokens alone (80 pairs over 9 experts: small tiles) and inside 300 tokens (large tiles).
+// The split path picks 8- or 32-token tiles by pairs per expert; a token's output must not change with it:
+// the first 30 tokens alone (60 pairs over 9 experts: small tiles) and inside 300 tokens (large tiles).
 TEST(MoeExpertsCuda, SplitTileShapesAgreeBitForBit) {
   REQUIRE_GPU();
-  const int64_t E = 9, D = 200, I = 72, k = 2, N = 300, n = 40;
+  const int64_t E = 9, D = 200, I = 72, k = 2, N = 300, n = 30;
   const Experts ex(E, D, I, 310);
   std::mt19937 rng(11);
   std::vector<int32_t> idx(N * k);
