@@ -91,6 +91,16 @@ struct DecodeLayout {
   }
 };
 
+// The 16×16 A fragment at column k0 of a row-major bf16 [16][ld] tile in smem (ptx.cuh's layout), with
+// 32-bit loads: the row strides used here spread the 8 rows over all banks.
+__device__ __forceinline__ void LoadFragA(uint32_t (&a)[4], const __nv_bfloat16* tile, int ld, int k0, int lane) {
+  const __nv_bfloat16* p = tile + (lane >> 2) * ld + k0 + 2 * (lane & 3);
+  a[0] = *reinterpret_cast<const uint32_t*>(p);
+  a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * ld);
+  a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
+  a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * ld + 8);
+}
+
 // Partials of run g of (token n, head h): acc [N][nh][kSplits][r] (unnormalized), ml [N][nh][kSplits] {max, sum}.
 __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const float* qa, const __nv_bfloat16* cache,
                                                              int64_t max_ctx, const int32_t* tok_slot,
@@ -159,16 +169,8 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
     const bf16* brow = ct + (warp * 8 + gid) * ldc + 2 * tig;
     for (int k0 = 0; k0 < cwp; k0 += 16) {
       uint32_t ah[4], al[4];
-      const bf16* qh = q_s + gid * ldc + k0 + 2 * tig;
-      const bf16* ql = qh + kHeads * ldc;
-      ah[0] = *reinterpret_cast<const uint32_t*>(qh);
-      ah[1] = *reinterpret_cast<const uint32_t*>(qh + 8 * ldc);
-      ah[2] = *reinterpret_cast<const uint32_t*>(qh + 8);
-      ah[3] = *reinterpret_cast<const uint32_t*>(qh + 8 * ldc + 8);
-      al[0] = *reinterpret_cast<const uint32_t*>(ql);
-      al[1] = *reinterpret_cast<const uint32_t*>(ql + 8 * ldc);
-      al[2] = *reinterpret_cast<const uint32_t*>(ql + 8);
-      al[3] = *reinterpret_cast<const uint32_t*>(ql + 8 * ldc + 8);
+      LoadFragA(ah, q_s, ldc, k0, lane);
+      LoadFragA(al, q_s + kHeads * ldc, ldc, k0, lane);
       const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow + k0);
       const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + k0 + 8);
       ptx::Mma(sc, ah, b0, b1);
@@ -216,16 +218,8 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
 #pragma unroll
     for (int kk = 0; kk < kRows; kk += 16) {
       uint32_t ah[4], al[4];
-      const bf16* ph = p_s + gid * kPld + kk + 2 * tig;
-      const bf16* pl = ph + kHeads * kPld;
-      ah[0] = *reinterpret_cast<const uint32_t*>(ph);
-      ah[1] = *reinterpret_cast<const uint32_t*>(ph + 8 * kPld);
-      ah[2] = *reinterpret_cast<const uint32_t*>(ph + 8);
-      ah[3] = *reinterpret_cast<const uint32_t*>(ph + 8 * kPld + 8);
-      al[0] = *reinterpret_cast<const uint32_t*>(pl);
-      al[1] = *reinterpret_cast<const uint32_t*>(pl + 8 * kPld);
-      al[2] = *reinterpret_cast<const uint32_t*>(pl + 8);
-      al[3] = *reinterpret_cast<const uint32_t*>(pl + 8 * kPld + 8);
+      LoadFragA(ah, p_s, kPld, kk, lane);
+      LoadFragA(al, p_s + kHeads * kPld, kPld, kk, lane);
 #pragma unroll
       for (int pi = 0; pi < kMaxPairs; ++pi) {
         const int pair = warp + 4 * pi;

@@ -319,12 +319,7 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
     const auto cpu_experts = ex.Cpu();
     for (const auto& [name, r] : Routings(E)) {
       std::vector<float> x = Random(r.N * D, 50, 1.0f);
-      std::vector<uint16_t> planes(2 * r.N * D);
-      for (int64_t i = 0; i < r.N * D; ++i) {  // x becomes exactly hi + lo
-        planes[i] = FloatToBf16(x[i]);
-        planes[r.N * D + i] = FloatToBf16(x[i] - Bf16ToFloat(planes[i]));
-        x[i] = Bf16ToFloat(planes[i]) + Bf16ToFloat(planes[r.N * D + i]);
-      }
+      const std::vector<uint16_t> planes = ToSplitPlanes(x);
       for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
         const cpu::GluParams p{act == GluAct::kSilu ? cpu::GluAct::kSilu : cpu::GluAct::kSitu, 4.0f, 25.0f};
         std::vector<float> ref(r.N * D);
@@ -364,12 +359,8 @@ TEST(MoeExpertsCuda, SplitTileShapesAgreeBitForBit) {
   std::vector<float> w(N * k), x = Random(N * D, 60, 1.0f);
   for (int64_t i = 0; i < N * k; ++i) idx[i] = static_cast<int32_t>(rng() % E), w[i] = 0.1f + (rng() % 100) / 100.0f;
   auto run = [&](int64_t rows) {
-    std::vector<uint16_t> planes(2 * rows * D);
-    for (int64_t i = 0; i < rows * D; ++i) {
-      planes[i] = FloatToBf16(x[i]);
-      planes[rows * D + i] = FloatToBf16(x[i] - Bf16ToFloat(planes[i]));
-    }
-    DeviceBuffer<uint16_t> dx(planes);
+    std::vector<float> xr(x.begin(), x.begin() + rows * D);
+    DeviceBuffer<uint16_t> dx(ToSplitPlanes(xr));
     DeviceBuffer<float> out(rows * D), dw(std::vector<float>(w.begin(), w.begin() + rows * k));
     DeviceBuffer<int32_t> didx(std::vector<int32_t>(idx.begin(), idx.begin() + rows * k));
     MoeWorkspace ws;

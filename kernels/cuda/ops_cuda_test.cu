@@ -49,16 +49,6 @@ std::vector<uint16_t> ToBf16(std::vector<float>& x) {
 }
 
 // Split planes of x [rows, cols]; x becomes hi + lo (what the GPU sees).
-std::vector<uint16_t> ToSplitPlanes(std::vector<float>& x) {
-  std::vector<uint16_t> p(2 * x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    p[i] = FloatToBf16(x[i]);
-    p[x.size() + i] = FloatToBf16(x[i] - Bf16ToFloat(p[i]));
-    x[i] = Bf16ToFloat(p[i]) + Bf16ToFloat(p[x.size() + i]);
-  }
-  return p;
-}
-
 std::vector<float> FromSplit(const std::vector<uint16_t>& p, size_t n) {
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = Bf16ToFloat(p[i]) + Bf16ToFloat(p[n + i]);

@@ -7,7 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
+
+#include "common/bf16.h"
 
 #define CUDA_OK(expr)                                                                      \
   do {                                                                                     \
@@ -49,5 +52,16 @@ class DeviceBuffer {
   T* p_ = nullptr;
   size_t n_;
 };
+
+// The split planes (hi then lo, see split.cuh) of x; x becomes exactly hi + lo, the value the GPU sees.
+inline std::vector<uint16_t> ToSplitPlanes(std::vector<float>& x) {
+  std::vector<uint16_t> p(2 * x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    p[i] = FloatToBf16(x[i]);
+    p[x.size() + i] = FloatToBf16(x[i] - Bf16ToFloat(p[i]));
+    x[i] = Bf16ToFloat(p[i]) + Bf16ToFloat(p[x.size() + i]);
+  }
+  return p;
+}
 
 }  // namespace k3::cuda
