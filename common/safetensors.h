@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,15 @@ enum class DType { kF32, kBF16, kF16, kI64, kI32, kU8 };
 size_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);  // the safetensors spelling: "F32", "BF16", ...
 absl::StatusOr<DType> ParseDType(const std::string& name);
+
+// The file's fp32 element type, named apart from the engine's scalar: tools/fp64_check.sh builds the engine
+// with every `float` turned into `double`, and the file's values must still be read as 4-byte floats.
+using F32 = float;
+inline F32 LoadF32(const std::byte* p) {
+  F32 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
 struct TensorInfo {
   std::string name;

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <set>
+#include <type_traits>
 
 #include "absl/strings/str_join.h"
 #include "common/bf16.h"
@@ -29,13 +30,14 @@ class Loader {
                                                      DTypeName(t->dtype), "; only F32 and BF16 are supported"));
     if (!load) return nullptr;
     const int64_t n = t->numel();
-    if (t->dtype == DType::kF32 && reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0)
+    // fp32 files are used in place (when the engine's scalar is the file's: not in tools/fp64_check.sh's build).
+    if (std::is_same_v<float, F32> && t->dtype == DType::kF32 && reinterpret_cast<uintptr_t>(t->data) % 4 == 0)
       return reinterpret_cast<const float*>(t->data);
     auto buf = std::make_unique<float[]>(n);
-    if (t->dtype == DType::kF32) {
-      std::memcpy(buf.get(), t->data, n * sizeof(float));
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (t->dtype == DType::kF32) {
+        buf[i] = LoadF32(t->data + 4 * i);
+      } else {
         uint16_t h;
         std::memcpy(&h, t->data + 2 * i, 2);
         buf[i] = Bf16ToFloat(h);

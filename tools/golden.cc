@@ -22,6 +22,17 @@ absl::StatusOr<std::vector<T>> Read(const Checkpoint& ck, const std::string& nam
   return out;
 }
 
+// Logits, element by element: the engine's scalar may be wider than the file's F32 (tools/fp64_check.sh).
+absl::StatusOr<std::vector<float>> ReadLogits(const Checkpoint& ck, const std::string& name) {
+  const TensorInfo* t = ck.Find(name);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat("golden: missing tensor \"", name, "\""));
+  if (t->dtype != DType::kF32)
+    return absl::InvalidArgumentError(absl::StrCat("golden: tensor \"", name, "\" has dtype ", DTypeName(t->dtype)));
+  std::vector<float> out(t->numel());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = LoadF32(t->data + 4 * i);
+  return out;
+}
+
 absl::StatusOr<std::vector<int32_t>> ReadIds(const Checkpoint& ck, const std::string& name) {
   K3_ASSIGN_OR_RETURN(std::vector<int64_t> v, Read<int64_t>(ck, name, DType::kI64));
   return std::vector<int32_t>(v.begin(), v.end());
@@ -48,13 +59,13 @@ absl::StatusOr<Golden> LoadGolden(const std::string& dir) {
     gp.split = split[i].get<int64_t>();
     K3_ASSIGN_OR_RETURN(gp.input_ids, ReadIds(ck, p + "input_ids"));
     K3_ASSIGN_OR_RETURN(gp.greedy_ids, ReadIds(ck, p + "greedy_ids"));
-    K3_ASSIGN_OR_RETURN(gp.prefill_logits, Read<float>(ck, p + "prefill_logits", DType::kF32));
+    K3_ASSIGN_OR_RETURN(gp.prefill_logits, ReadLogits(ck, p + "prefill_logits"));
     const int64_t T = static_cast<int64_t>(gp.input_ids.size());
     if (T == 0 || gp.prefill_logits.size() % T != 0)
       return absl::InvalidArgumentError(absl::StrCat("golden: ", p, "prefill_logits does not have T rows"));
     g.vocab = static_cast<int64_t>(gp.prefill_logits.size()) / T;
     if (ck.Find(p + "incremental_logits") != nullptr) {
-      K3_ASSIGN_OR_RETURN(gp.incremental_logits, Read<float>(ck, p + "incremental_logits", DType::kF32));
+      K3_ASSIGN_OR_RETURN(gp.incremental_logits, ReadLogits(ck, p + "incremental_logits"));
     }
     g.prompts.push_back(std::move(gp));
   }
