@@ -5,9 +5,10 @@
     fp64_compare.py DUMPS GOLDEN_DIR...      (DUMPS/<golden name>/{32,64}/prompt<i>.f32)
 
 Prints, per prompt, max |a - b| and how many logits break the tolerance for golden vs fp64, fp32 vs fp64 and
-fp32 vs golden. A prompt passes when the fp32 engine is within tolerance of fp64, or no farther from it than
-the golden is (max |diff| and logits out of tolerance): an fp32 computation as exact as the golden's own.
-Exit 1 if a prompt does not pass.
+fp32 vs golden. Where the golden is within tolerance of fp64, the fp32 engine must be too (else precision
+was lost in the engine: exit 1). Where even the golden is outside it, the prompt is ill-conditioned: fp32
+rounding alone moves it by about the tolerance (BLAS summation order does), so it is reported, not judged
+here; k3serve-conformance --noise-floor judges it.
 """
 import json
 import os
@@ -71,15 +72,14 @@ def main():
             f32 = read_dump(os.path.join(dumps, name, "32", f"prompt{i}.f32"), n)
             f64 = read_dump(os.path.join(dumps, name, "64", f"prompt{i}.f32"), n)
             cols = [compare(golden, f64, atol, rtol), compare(f32, f64, atol, rtol), compare(f32, golden, atol, rtol)]
-            (g_max, g_out), (e_max, e_out) = cols[0], cols[1]
-            verdict = ("ok" if e_out == 0 else
-                       "ok: nearer fp64 than the golden" if e_max <= g_max and e_out <= g_out else "FAIL")
+            g_out, e_out = cols[0][1], cols[1][1]
+            verdict = "ok" if e_out == 0 else "ill-conditioned (golden outside too)" if g_out > 0 else "FAIL"
             failed |= verdict == "FAIL"
             cells = "   ".join(f"{m:10.3g} {o:7d}" for m, o in cols)
             print(f"{name:24s} {i:6d} {len(ids):4d}   {cells}   {verdict}")
         print(f"{'':24s} tolerance: atol {atol:g}, rtol {rtol:g}")
-    print("PASS: the fp32 engine is within tolerance of the fp64 evaluation, or nearer to it than the golden"
-          if not failed else "FAIL: the fp32 engine is farther from the fp64 evaluation than tolerance and golden")
+    print("PASS: the fp32 engine is within tolerance of the fp64 evaluation wherever the golden is"
+          if not failed else "FAIL: the fp32 engine is outside tolerance of the fp64 evaluation where the golden is not")
     return 1 if failed else 0
 
 
