@@ -76,7 +76,7 @@ constexpr int kRows = 32;            // cache rows per tile: one 8-row n-tile pe
 constexpr int kSplits = 4;           // CTAs per (token, 16 heads)
 constexpr int kMaxPairs = 8;         // column pairs (16 columns) per warp: r ≤ 4 · 8 · 16 = 512
 constexpr int kPld = kRows + 8;      // P row stride (bf16)
-constexpr int64_t kMaxCw = 576;      // smem is sized from cw; this keeps it under 2 × 64 KB
+constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 112 KB, two CTAs per SM
 
 static_assert(2 * kHeads * kPld * sizeof(__nv_bfloat16) >= kHeads * kRows * sizeof(float), "S fits in P's space");
 
