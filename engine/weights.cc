@@ -34,10 +34,10 @@ class Loader {
     if (std::is_same_v<float, F32> && t->dtype == DType::kF32 && reinterpret_cast<uintptr_t>(t->data) % 4 == 0)
       return reinterpret_cast<const float*>(t->data);
     auto buf = std::make_unique<float[]>(n);
-    for (int64_t i = 0; i < n; ++i) {
-      if (t->dtype == DType::kF32) {
-        buf[i] = LoadF32(t->data + 4 * i);
-      } else {
+    if (t->dtype == DType::kF32) {
+      for (int64_t i = 0; i < n; ++i) buf[i] = LoadF32(t->data + 4 * i);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, t->data + 2 * i, 2);
         buf[i] = Bf16ToFloat(h);

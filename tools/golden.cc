@@ -12,30 +12,32 @@
 namespace k3 {
 namespace {
 
-template <typename T>
-absl::StatusOr<std::vector<T>> Read(const Checkpoint& ck, const std::string& name, DType want) {
+// The tensor `name`, checked to hold `want`.
+absl::StatusOr<const TensorInfo*> Find(const Checkpoint& ck, const std::string& name, DType want) {
   const TensorInfo* t = ck.Find(name);
   if (t == nullptr) return absl::NotFoundError(absl::StrCat("golden: missing tensor \"", name, "\""));
-  if (t->dtype != want) return absl::InvalidArgumentError(absl::StrCat("golden: tensor \"", name, "\" has dtype ", DTypeName(t->dtype)));
-  std::vector<T> out(t->numel());
-  std::memcpy(out.data(), t->data, t->nbytes);
-  return out;
+  if (t->dtype != want)
+    return absl::InvalidArgumentError(absl::StrCat("golden: tensor \"", name, "\" has dtype ", DTypeName(t->dtype)));
+  return t;
 }
 
 // Logits, element by element: the engine's scalar may be wider than the file's F32 (tools/fp64_check.sh).
 absl::StatusOr<std::vector<float>> ReadLogits(const Checkpoint& ck, const std::string& name) {
-  const TensorInfo* t = ck.Find(name);
-  if (t == nullptr) return absl::NotFoundError(absl::StrCat("golden: missing tensor \"", name, "\""));
-  if (t->dtype != DType::kF32)
-    return absl::InvalidArgumentError(absl::StrCat("golden: tensor \"", name, "\" has dtype ", DTypeName(t->dtype)));
+  K3_ASSIGN_OR_RETURN(const TensorInfo* t, Find(ck, name, DType::kF32));
   std::vector<float> out(t->numel());
   for (size_t i = 0; i < out.size(); ++i) out[i] = LoadF32(t->data + 4 * i);
   return out;
 }
 
 absl::StatusOr<std::vector<int32_t>> ReadIds(const Checkpoint& ck, const std::string& name) {
-  K3_ASSIGN_OR_RETURN(std::vector<int64_t> v, Read<int64_t>(ck, name, DType::kI64));
-  return std::vector<int32_t>(v.begin(), v.end());
+  K3_ASSIGN_OR_RETURN(const TensorInfo* t, Find(ck, name, DType::kI64));
+  std::vector<int32_t> ids(t->numel());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    int64_t v;
+    std::memcpy(&v, t->data + 8 * i, 8);
+    ids[i] = static_cast<int32_t>(v);
+  }
+  return ids;
 }
 
 }  // namespace

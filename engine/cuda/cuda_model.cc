@@ -73,8 +73,7 @@ struct LayerW {
   MoeW moe;
 };
 
-LinearAct Act(const ModelConfig& c) { return c.act == Activation::kSitu ? LinearAct::kSitu : LinearAct::kSilu; }
-GluAct ExpertAct(const ModelConfig& c) { return c.act == Activation::kSitu ? GluAct::kSitu : GluAct::kSilu; }
+GluAct Act(const ModelConfig& c) { return c.act == Activation::kSitu ? GluAct::kSitu : GluAct::kSilu; }
 
 }  // namespace
 
@@ -90,7 +89,7 @@ class LocalCudaExperts : public CudaExpertExecutor {
     MoeExpertsArgs a;
     a.N = r.rows, a.D = r.width, a.I = config->moe_intermediate_size, a.top_k = r.top_k;
     a.num_experts = config->num_experts, a.x = r.x.p, a.x_lo = r.x.lo, a.idx = r.idx, a.w = r.w;
-    a.w1 = e.w1, a.w3 = e.w3, a.w2 = e.w2, a.act = ExpertAct(*config);
+    a.w1 = e.w1, a.w3 = e.w3, a.w2 = e.w2, a.act = Act(*config);
     a.situ_beta = config->situ_beta, a.situ_linear_beta = config->situ_linear_beta;
     a.out_f32 = out, a.experts_hit = hits + r.layer;
     K3_CUDA_OK(MoeExperts(a, MoeGemm::kTiled, workspace, stream));
@@ -610,7 +609,7 @@ absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N) {
   LinearArgs la;
   la.N = 2 * g.I, la.K = c.hidden_size, la.w = g.gate_up, la.x = in;
   la.y = hid.p, la.ldy = hid.ld, la.y_lo = hid.lo, la.out = LinearOut::kSplit, la.M = N;
-  la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
+  la.glu = true, la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
   K3_CUDA_OK(blas.Run(la, stream));
   K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, x, c.hidden_size, LinearOut::kF32Add));
   return absl::OkStatus();

@@ -68,13 +68,6 @@ struct TileShape {
 
 constexpr int kPermuteThreads = 256;
 
-__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float Glu(GluAct act, float g, float u, float b1, float b2) {
-  if (act == GluAct::kSilu) return g * Sigmoid(g) * u;
-  return b1 * tanhf(g / b1) * Sigmoid(g) * (b2 * tanhf(u / b2));
-}
-
 // ------------------------------------------------------------------------------------------ permutation
 
 __global__ void CountPairsKernel(int64_t P, const int32_t* idx, int E, int32_t* counts) {

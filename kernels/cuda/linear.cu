@@ -34,12 +34,6 @@ __device__ __forceinline__ void Load16(uint32_t* dst, const __nv_bfloat16* p) {
 
 __device__ __forceinline__ uint2 Load8(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 
-__device__ __forceinline__ float Act(LinearAct act, float g, float u, float b1, float b2) {
-  const float sig = 1.0f / (1.0f + expf(-g));
-  if (act == LinearAct::kSilu) return g * sig * u;
-  return b1 * tanhf(g / b1) * sig * (b2 * tanhf(u / b2));
-}
-
 __device__ __forceinline__ void Store(const LinearArgs& a, int64_t group, int64_t row, int64_t col, float v) {
   const int64_t off = group * a.y_group_stride + row * a.ldy + col;
   switch (a.out) {
@@ -65,7 +59,7 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
   const int64_t g = blockIdx.y, count = a.M;
 
-  const bool glu = a.act != LinearAct::kNone;
+  const bool glu = a.glu;
   int64_t wrow, left;  // the warp's first weight row; its local rows < left exist
   if (glu) {
     const int64_t half = a.N / 2, local = int64_t{blockIdx.x} * 32 + (warp & 1) * 16;
@@ -196,7 +190,7 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
       const int lr = idx % 32, t = idx / 32;
       const int64_t col = int64_t{blockIdx.x} * 32 + lr;
       if (col >= half) continue;
-      const float h = Act(a.act, gate[lr * kStagePitch + t], gate[(32 + lr) * kStagePitch + t], a.situ_beta,
+      const float h = Glu(a.act, gate[lr * kStagePitch + t], gate[(32 + lr) * kStagePitch + t], a.situ_beta,
                           a.situ_linear_beta);
       const int64_t i = base + t;
       Store(a, g, i, col, h);
@@ -210,7 +204,7 @@ cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
   static const cudaError_t attr = cudaFuncSetAttribute(
       LinearKernel<kSplitX>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kPipeBytes));
   if (attr != cudaSuccess) return attr;
-  const bool glu = a.act != LinearAct::kNone;
+  const bool glu = a.glu;
   const int64_t tiles = glu ? (a.N / 2 + 31) / 32 : (a.N + kRowsPerCta - 1) / kRowsPerCta;
   const int64_t passes = std::min<int64_t>((a.M + kTokens - 1) / kTokens, 65535);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.groups), static_cast<unsigned>(passes));
@@ -221,7 +215,7 @@ cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 cudaError_t Check(const LinearArgs& a) {
-  const bool glu = a.act != LinearAct::kNone;
+  const bool glu = a.glu;
   if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || a.y == nullptr ||
       a.groups < 1 || a.groups > 65535 || (glu && a.N % 2 != 0) || a.M < 0)
     return cudaErrorInvalidValue;
@@ -244,13 +238,13 @@ size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
 // Grid: (column blocks, row stride).
 __global__ void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0, int64_t rows,
                            int64_t lo_rows) {
-  const bool glu = a.act != LinearAct::kNone;
+  const bool glu = a.glu;
   const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (col >= (glu ? a.N / 2 : a.N)) return;
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
     const float* c = C + i * ldc;
     auto at = [&](int64_t j) { return c[j] + (lo_rows ? c[lo_rows * ldc + j] : 0.0f); };
-    const float v = glu ? Act(a.act, at(col), at(col + a.N / 2), a.situ_beta, a.situ_linear_beta) : at(col);
+    const float v = glu ? Glu(a.act, at(col), at(col + a.N / 2), a.situ_beta, a.situ_linear_beta) : at(col);
     Store(a, 0, r0 + i, col, v);
   }
 }
@@ -386,7 +380,7 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, l, &algo));
     K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
                                   kLtWorkspace, stream)));
-    const int64_t cols = a.act != LinearAct::kNone ? a.N / 2 : a.N;
+    const int64_t cols = a.glu ? a.N / 2 : a.N;
     const dim3 grid(static_cast<unsigned>((cols + 255) / 256), static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
     FoldKernel<<<grid, 256, 0, stream>>>(a, C, ldc, r0, rows, split ? rows : 0);
     K3_CUDA_TRY(cudaGetLastError());

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kernels/cuda/glu.cuh"
 #include "kernels/cuda/split.cuh"
 
 namespace k3::cuda {
@@ -26,8 +27,6 @@ enum class LinearOut {
   kBf16,    // y = bf16(x·Wᵀ)
   kSplit,   // y = split(x·Wᵀ)        (Split; y_lo is the plane offset)
 };
-
-enum class LinearAct { kNone, kSilu, kSitu };
 
 struct LinearArgs {
   int64_t N = 0, K = 0;  // output features (weight rows), inner dim; K % 16 == 0
@@ -45,7 +44,8 @@ struct LinearArgs {
   int64_t M = 0;
 
   // GLU: weight rows [0, N/2) are the gate, [N/2, N) the up projection; y gets N/2 columns act(gate)·up.
-  LinearAct act = LinearAct::kNone;
+  bool glu = false;
+  GluAct act = GluAct::kSilu;
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
 };
 

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "kernels/cuda/glu.cuh"
+
 namespace k3::cuda {
 
 // ---------------------------------------------------------------------------------------------- router
@@ -60,8 +62,6 @@ cudaError_t RouterLogits(cublasHandle_t blas, int64_t N, int64_t d, int64_t E, c
                          const __nv_bfloat16* w_gate, float* logits);
 
 // --------------------------------------------------------------------------------------------- experts
-
-enum class GluAct { kSilu, kSitu };
 
 enum class MoeGemm {
   kAuto,  // kTiled up to kMoeTiledMaxPairsPerExpert routed pairs per expert on average, else kCublas

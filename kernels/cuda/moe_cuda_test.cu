@@ -27,17 +27,6 @@ namespace {
 using testing::Random;
 using testing::RelDiff;
 
-
-// bf16 bits of v, and v rounded to bf16 in place (the values the CPU reference sees).
-std::vector<uint16_t> ToBf16(std::vector<float>& v) {
-  std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    b[i] = FloatToBf16(v[i]);
-    v[i] = Bf16ToFloat(b[i]);
-  }
-  return b;
-}
-
 // ---------------------------------------------------------------------------------------------- router
 
 cpu::RouterParams Cpu(const RouterArgs& a) {
@@ -285,6 +274,15 @@ std::vector<std::pair<std::string, Routing>> Routings(int64_t E) {
   return v;
 }
 
+// The fp32 CPU experts (SiTU with β 4 and 25) on x: the reference of the GPU paths.
+std::vector<float> CpuExperts(const Experts& ex, const std::vector<cpu::ExpertWeights>& cpu_experts,
+                              const std::vector<float>& x, const Routing& r, GluAct act) {
+  const cpu::GluParams p{act == GluAct::kSilu ? cpu::GluAct::kSilu : cpu::GluAct::kSitu, 4.0f, 25.0f};
+  std::vector<float> ref(r.N * ex.D);
+  cpu::MoeExperts(r.N, ex.D, ex.I, r.k, x.data(), r.idx.data(), r.w.data(), ex.E, cpu_experts.data(), p, ref.data());
+  return ref;
+}
+
 TEST(MoeExpertsCuda, MatchesCpu) {
   REQUIRE_GPU();
   MoeWorkspace ws;
@@ -295,9 +293,7 @@ TEST(MoeExpertsCuda, MatchesCpu) {
       auto x = Random(r.N * D, 40, 1.0f);
       const auto xb = ToBf16(x);
       for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
-        const cpu::GluParams p{act == GluAct::kSilu ? cpu::GluAct::kSilu : cpu::GluAct::kSitu, 4.0f, 25.0f};
-        std::vector<float> ref(r.N * D);
-        cpu::MoeExperts(r.N, D, I, r.k, x.data(), r.idx.data(), r.w.data(), E, cpu_experts.data(), p, ref.data());
+        const std::vector<float> ref = CpuExperts(ex, cpu_experts, x, r, act);
         for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas}) {
           const auto out = RunGpu(ex, xb, r, gemm, act, ws);
           EXPECT_LT(RelDiff(out, ref), 1e-2) << name << " D=" << D << " I=" << I << " situ=" << (act == GluAct::kSitu)
@@ -321,9 +317,7 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
       std::vector<float> x = Random(r.N * D, 50, 1.0f);
       const std::vector<uint16_t> planes = ToSplitPlanes(x);
       for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
-        const cpu::GluParams p{act == GluAct::kSilu ? cpu::GluAct::kSilu : cpu::GluAct::kSitu, 4.0f, 25.0f};
-        std::vector<float> ref(r.N * D);
-        cpu::MoeExperts(r.N, D, I, r.k, x.data(), r.idx.data(), r.w.data(), E, cpu_experts.data(), p, ref.data());
+        const std::vector<float> ref = CpuExperts(ex, cpu_experts, x, r, act);
         DeviceBuffer<uint16_t> dx(planes);
         DeviceBuffer<float> out(r.N * D);
         DeviceBuffer<int32_t> idx(r.idx);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <optional>
 #include <vector>
 
 #include "common/bf16.h"
@@ -38,15 +39,6 @@ std::vector<float> Randn(size_t n, uint32_t seed, float scale = 1.0f) {
   return v;
 }
 
-// Rounds to bf16 in place; returns the bf16 bits.
-std::vector<uint16_t> ToBf16(std::vector<float>& x) {
-  std::vector<uint16_t> b(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    b[i] = FloatToBf16(x[i]);
-    x[i] = Bf16ToFloat(b[i]);
-  }
-  return b;
-}
 
 // Split planes of x [rows, cols]; x becomes hi + lo (what the GPU sees).
 std::vector<float> FromSplit(const std::vector<uint16_t>& p, size_t n) {
@@ -72,13 +64,13 @@ struct LinearCase {
   int64_t M, N, K;
   bool split;
   LinearOut out;
-  LinearAct act = LinearAct::kNone;
+  std::optional<GluAct> act = std::nullopt;  // a GLU product when set
 };
 
 // Both implementations (our kernel, cuBLASLt with the stacked split) against a double-precision reference, on
 // odd sizes, one row, no rows, every output mode and both GLU activations. `blas_ws` small forces row chunks.
 void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 20) {
-  const bool glu = c.act != LinearAct::kNone;
+  const bool glu = c.act.has_value();
   const int64_t cols = glu ? c.N / 2 : c.N;
   std::vector<float> w = Randn(c.N * c.K, 1, 1.0f / std::sqrt(float(c.K))), x = Randn(c.M * c.K, 2);
   const std::vector<uint16_t> wb = ToBf16(w);
@@ -92,7 +84,7 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
       double v = dot[n];
       if (glu) {
         const double g = dot[n], u = dot[n + cols], sig = 1.0 / (1.0 + std::exp(-g));
-        v = c.act == LinearAct::kSilu ? g * sig * u : 4.0 * std::tanh(g / 4.0) * sig * 25.0 * std::tanh(u / 25.0);
+        v = c.act == GluAct::kSilu ? g * sig * u : 4.0 * std::tanh(g / 4.0) * sig * 25.0 * std::tanh(u / 25.0);
       }
       ref[m * cols + n] = static_cast<float>(v + (c.out == LinearOut::kF32Add ? y0[m * cols + n] : 0.0));
     }
@@ -100,7 +92,7 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 1);
   DeviceBuffer<float> dy(y0);
   LinearArgs a;
-  a.N = c.N, a.K = c.K, a.w = dw.bf(), a.act = c.act;
+  a.N = c.N, a.K = c.K, a.w = dw.bf(), a.glu = glu, a.act = c.act.value_or(GluAct::kSilu);
   a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
   const bool f32 = c.out == LinearOut::kF32 || c.out == LinearOut::kF32Add;
   a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
@@ -123,15 +115,15 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   }
   const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
   EXPECT_LT(Rel(got, ref), tol) << (blas ? "LinearBlas" : "Linear") << " M " << c.M << " N " << c.N << " K " << c.K
-                                << " act " << int(c.act);
+                                << " act " << (glu ? int(*c.act) : -1);
 }
 
 const LinearCase kLinearCases[] = {
     {1, 64, 64, true, LinearOut::kF32},         {70, 100, 80, true, LinearOut::kF32},
     {9, 37, 48, false, LinearOut::kF32},        {130, 256, 384, true, LinearOut::kF32Add},
     {64, 192, 2304, true, LinearOut::kSplit},   {5, 40, 32, true, LinearOut::kBf16},
-    {0, 64, 64, true, LinearOut::kF32},         {33, 96, 160, true, LinearOut::kSplit, LinearAct::kSilu},
-    {1, 2 * 48, 128, true, LinearOut::kSplit, LinearAct::kSitu}, {200, 2 * 40, 64, false, LinearOut::kF32, LinearAct::kSitu},
+    {0, 64, 64, true, LinearOut::kF32},         {33, 96, 160, true, LinearOut::kSplit, GluAct::kSilu},
+    {1, 2 * 48, 128, true, LinearOut::kSplit, GluAct::kSitu}, {200, 2 * 40, 64, false, LinearOut::kF32, GluAct::kSitu},
 };
 
 TEST(LinearCuda, KernelMatchesReference) {
@@ -144,7 +136,7 @@ TEST(LinearCuda, BlasMatchesReference) {
   for (const LinearCase& c : kLinearCases) CheckLinear(c, true);
   // A workspace of a few rows: the rows run in chunks.
   CheckLinear({130, 256, 384, true, LinearOut::kF32Add}, true, LinearBlas::WorkspaceBytes(7, 256, 384));
-  CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, LinearAct::kSilu}, true, LinearBlas::WorkspaceBytes(3, 192, 256));
+  CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, GluAct::kSilu}, true, LinearBlas::WorkspaceBytes(3, 192, 256));
 }
 
 // A row's output does not depend on the other rows of the batch (the engine's batched == alone).

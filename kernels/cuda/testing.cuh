@@ -53,6 +53,16 @@ class DeviceBuffer {
   size_t n_;
 };
 
+// The bf16 bits of x; x is rounded to bf16 in place (the values a CPU reference then sees).
+inline std::vector<uint16_t> ToBf16(std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    b[i] = FloatToBf16(x[i]);
+    x[i] = Bf16ToFloat(b[i]);
+  }
+  return b;
+}
+
 // The split planes (hi then lo, see split.cuh) of x; x becomes exactly hi + lo, the value the GPU sees.
 inline std::vector<uint16_t> ToSplitPlanes(std::vector<float>& x) {
   std::vector<uint16_t> p(2 * x.size());
