@@ -244,6 +244,10 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
     bad = a;
     bad.decode_tokens = N + 1;
     EXPECT_EQ(KdaConv(bad, nullptr), cudaErrorInvalidValue);
+    KdaConvArgs empty = a;  // an empty batch: nothing to do, nothing touched
+    empty.N = 0, empty.decode_tokens = 0;
+    EXPECT_EQ(KdaConv(empty, nullptr), cudaSuccess);
+    EXPECT_EQ(KdaConvUpdateState(empty, 0, dcs.get(), dcl.get(), dcslot.get(), nullptr), cudaSuccess);
   }
 }
 
@@ -353,6 +357,9 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
                       nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_LT(Rel(FromSplit(dod.ToHost(), N * s.nh * s.dv), dref), 2e-3) << "decode nh " << s.nh;
+    EXPECT_EQ(MlaDecode(0, s, Split{dqd.bf(), s.nh * s.dqk(), 0}, dpool.bf(), max_ctx, dslot.get(), dpos.get(),
+                        dkv.bf(), dukt.bf(), scale, Split{dod.bf(), s.nh * s.dv, 0}, wsd.get(), nullptr),
+              cudaSuccess);  // an empty batch
   }
   EXPECT_FALSE(MlaDecodeSupported(MlaDims{4, 32, 4, 32, 32}));     // cw = 36: rows not 16-byte aligned
   EXPECT_FALSE(MlaDecodeSupported(MlaDims{4, 32, 64, 32, 520}));   // r > 512
