@@ -395,19 +395,26 @@ __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* p
   }
 }
 
-// The split path's sum: out[n] = Σ_j w[n, j] · (y_hi + y_lo)[pair_slot[n·k + j]] in j order, fp32 out.
-__global__ void CombineSplitKernel(int64_t N, int64_t D, int top_k, const int32_t* pair_slot, const float* w,
-                                   const bf16* y, int64_t y_lo, float* out) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * D; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t n = i / D, c = i % D;
-    float acc = 0.0f;
+// The split path's sum: out[n] = Σ_j w[n, j] · (y_hi + y_lo)[pair_slot[n·k + j]] in j order, fp32 out, 8
+// columns at a time (y_lo is a multiple of 8: the planes are [max_pairs, D] with D % 8 == 0).
+__global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
+                                   const int4* y, int64_t y_lo_chunks, float4* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = i / chunks, c = i % chunks;
+    float acc[8] = {};
     for (int j = 0; j < top_k; ++j) {
       const int s = pair_slot[n * top_k + j];
       if (s < 0) continue;
-      const bf16* v = y + static_cast<int64_t>(s) * D + c;
-      acc += w[n * top_k + j] * (__bfloat162float(v[0]) + __bfloat162float(v[y_lo]));
+      const float wt = w[n * top_k + j];
+      float hi[8], lo[8];
+      Unpack(y[static_cast<int64_t>(s) * chunks + c], hi);
+      Unpack(y[static_cast<int64_t>(s) * chunks + c + y_lo_chunks], lo);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] += wt * (hi[q] + lo[q]);
     }
-    out[i] = acc;
+    out[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    out[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
 }
 
@@ -585,7 +592,7 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   Buffers& b = *b_;
   if (b.counts && max_pairs <= b.max_pairs && D <= b.D && I <= b.I && num_experts <= b.E) return cudaSuccess;
   const int64_t P = std::max(max_pairs, b.max_pairs), E = std::max(num_experts, b.E);
-  D = std::max(D, b.D), I = std::max(I, b.I);
+  D = (std::max(D, b.D) + 7) / 8 * 8, I = std::max(I, b.I);  // D: the split planes start on 16 bytes
   b.Free();
   b.max_pairs = P, b.D = D, b.I = I, b.E = E;
   const int64_t Pc = std::max<int64_t>(P, 1);
@@ -630,12 +637,13 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
   if (err == cudaSuccess)
     err = !tiled ? RunCublas(a, b, stream) : small ? RunTiled<SmallTile>(a, b, stream) : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;
+  const int chunks = static_cast<int>(a.D / 8);
   if (split) {
-    CombineSplitKernel<<<GridFor(a.N * a.D, 256), 256, 0, stream>>>(a.N, a.D, static_cast<int>(a.top_k), b.pair_slot,
-                                                                   a.w, b.y, b.max_pairs * b.D, a.out_f32);
+    CombineSplitKernel<<<GridFor(a.N * chunks, 256), 256, 0, stream>>>(
+        a.N, chunks, static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
+        b.max_pairs * b.D / 8, reinterpret_cast<float4*>(a.out_f32));
     return cudaGetLastError();
   }
-  const int chunks = static_cast<int>(a.D / 8);
   CombineKernel<<<GridFor(a.N * chunks, 256), 256, 0, stream>>>(a.N, chunks, static_cast<int>(a.top_k), b.pair_slot,
                                                                 a.w, reinterpret_cast<const int4*>(b.y),
                                                                 reinterpret_cast<int4*>(a.out));

@@ -234,18 +234,71 @@ constexpr size_t kLtWorkspace = size_t{32} << 20;
 int64_t Ldc(int64_t N) { return (N + 7) / 8 * 8; }  // 32-byte rows of C
 size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
 
-// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none).
-// Grid: (column blocks, row stride).
+// y[row, col0 .. col0 + 3] in a's output mode (groups == 1, the four on 16 bytes (fp32) or 8 (bf16)).
+__device__ __forceinline__ void Store4(const LinearArgs& a, int64_t row, int64_t col0, const float (&v)[4]) {
+  const int64_t off = row * a.ldy + col0;
+  if (a.out == LinearOut::kF32 || a.out == LinearOut::kF32Add) {
+    float4* p = reinterpret_cast<float4*>(static_cast<float*>(a.y) + off);
+    float4 o = make_float4(v[0], v[1], v[2], v[3]);
+    if (a.out == LinearOut::kF32Add) {
+      const float4 y = *p;
+      o.x += y.x, o.y += y.y, o.z += y.z, o.w += y.w;
+    }
+    *p = o;
+    return;
+  }
+  __nv_bfloat16* p = static_cast<__nv_bfloat16*>(a.y) + off;
+  __nv_bfloat16 hi[4], lo[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    hi[q] = __float2bfloat16_rn(v[q]);
+    lo[q] = __float2bfloat16_rn(v[q] - __bfloat162float(hi[q]));
+  }
+  *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(hi);
+  if (a.out == LinearOut::kSplit) *reinterpret_cast<uint2*>(p + a.y_lo) = *reinterpret_cast<const uint2*>(lo);
+}
+
+// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none). A thread takes four
+// columns (16-byte loads of C when the columns allow). Grid: (column blocks, row stride).
+constexpr int kFoldCols = 4;
+
 __global__ void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0, int64_t rows,
                            int64_t lo_rows) {
   const bool glu = a.glu;
-  const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (col >= (glu ? a.N / 2 : a.N)) return;
+  const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
+  if (col0 >= cols) return;
+  // float4 loads need every row, the lo plane and the up half on 16 bytes (ldc is a multiple of 8); 4-column
+  // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
+  const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
+  const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
     const float* c = C + i * ldc;
-    auto at = [&](int64_t j) { return c[j] + (lo_rows ? c[lo_rows * ldc + j] : 0.0f); };
-    const float v = glu ? Glu(a.act, at(col), at(col + a.N / 2), a.situ_beta, a.situ_linear_beta) : at(col);
-    Store(a, 0, r0 + i, col, v);
+    float g[kFoldCols], u[kFoldCols];
+    auto load = [&](int64_t j, float (&v)[kFoldCols]) {
+      if (vec) {
+        const float4 h = *reinterpret_cast<const float4*>(c + j);
+        v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
+        if (lo_rows) {
+          const float4 l = *reinterpret_cast<const float4*>(c + lo_rows * ldc + j);
+          v[0] += l.x, v[1] += l.y, v[2] += l.z, v[3] += l.w;
+        }
+      } else {
+        for (int q = 0; q < kFoldCols; ++q)
+          v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
+      }
+    };
+    load(col0, g);
+    if (glu) load(col0 + a.N / 2, u);
+    if (glu) {
+#pragma unroll
+      for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
+    }
+    if (vec && store4) {
+      Store4(a, r0 + i, col0, g);
+    } else {
+      for (int q = 0; q < kFoldCols; ++q)
+        if (col0 + q < cols) Store(a, 0, r0 + i, col0 + q, g[q]);
+    }
   }
 }
 
@@ -380,8 +433,9 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, l, &algo));
     K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
                                   kLtWorkspace, stream)));
-    const int64_t cols = a.glu ? a.N / 2 : a.N;
-    const dim3 grid(static_cast<unsigned>((cols + 255) / 256), static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+    const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = 256 * kFoldCols;
+    const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
+                    static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
     FoldKernel<<<grid, 256, 0, stream>>>(a, C, ldc, r0, rows, split ? rows : 0);
     K3_CUDA_TRY(cudaGetLastError());
   }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <optional>
 #include <vector>
@@ -89,14 +90,15 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
       ref[m * cols + n] = static_cast<float>(v + (c.out == LinearOut::kF32Add ? y0[m * cols + n] : 0.0));
     }
   }
-  DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 1);
+  DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 4);
   DeviceBuffer<float> dy(y0);
   LinearArgs a;
   a.N = c.N, a.K = c.K, a.w = dw.bf(), a.glu = glu, a.act = c.act.value_or(GluAct::kSilu);
   a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
   const bool f32 = c.out == LinearOut::kF32 || c.out == LinearOut::kF32Add;
   a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
-  a.ldy = cols, a.y_lo = c.M * cols + 1, a.out = c.out, a.M = c.M;
+  // The lo plane off 16-byte alignment (odd N) or on it: both store paths of the fold.
+  a.ldy = cols, a.y_lo = c.M * cols + (c.N % 2 ? 1 : 4), a.out = c.out, a.M = c.M;
   if (blas) {
     LinearBlas lb;
     CUDA_OK(lb.Init(blas_ws));
@@ -169,17 +171,30 @@ TEST(LinearCuda, BlasRowsAreBatchInvariant) {
 
 // ------------------------------------------------------------------------------------------------ norms
 
+// Widths for each register count of the row kernel and one past them (two passes); fp32 rows gathered in
+// reverse order, and split-bf16 rows.
 TEST(NormCuda, RmsNormAndGatedMatchCpu) {
   REQUIRE_GPU();
-  const int64_t M = 33, D = 2304, H = 7, Dh = 128;
-  const std::vector<float> x = Randn(M * D, 12, 3.0f), w = Randn(D, 13);
-  std::vector<float> ref(M * D);
-  cpu::RmsNormRef(M, D, x.data(), w.data(), 1e-5f, ref.data());
-  DeviceBuffer<float> dx(x), dw(w);
-  DeviceBuffer<uint16_t> dy(2 * M * D);
-  CUDA_OK(RmsNorm(M, D, dx.get(), D, nullptr, dw.get(), 1e-5f, Split{dy.bf(), D, M * D}, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_LT(Rel(FromSplit(dy.ToHost(), M * D), ref), 1e-5);
+  const int64_t M = 33, H = 7, Dh = 128;
+  for (const int64_t D : {2304, 1000, 1537, 5000}) {
+    const std::vector<float> x = Randn(M * D, 12, 3.0f), w = Randn(D, 13);
+    std::vector<float> ref(M * D), rev(M * D);
+    cpu::RmsNormRef(M, D, x.data(), w.data(), 1e-5f, ref.data());
+    std::vector<int32_t> rows(M);
+    for (int64_t i = 0; i < M; ++i) rows[i] = static_cast<int32_t>(M - 1 - i);
+    for (int64_t i = 0; i < M; ++i) std::copy_n(ref.data() + rows[i] * D, D, rev.data() + i * D);
+    DeviceBuffer<float> dx(x), dw(w);
+    DeviceBuffer<int32_t> drows(rows);
+    std::vector<float> xs = x;  // becomes hi + lo
+    DeviceBuffer<uint16_t> dy(2 * M * D), dys(2 * M * D), dxs(ToSplitPlanes(xs));
+    CUDA_OK(RmsNorm(M, D, dx.get(), D, drows.get(), dw.get(), 1e-5f, Split{dy.bf(), D, M * D}, nullptr));
+    CUDA_OK(RmsNorm(M, D, Split{dxs.bf(), D, M * D}, dw.get(), 1e-5f, Split{dys.bf(), D, M * D}, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_LT(Rel(FromSplit(dy.ToHost(), M * D), rev), 1e-5) << "D " << D;
+    std::vector<float> sref(M * D);
+    cpu::RmsNormRef(M, D, xs.data(), w.data(), 1e-5f, sref.data());
+    EXPECT_LT(Rel(FromSplit(dys.ToHost(), M * D), sref), 1e-5) << "split D " << D;
+  }
 
   std::vector<float> o = Randn(M * H * Dh, 14), gate = Randn(M * H * Dh, 15), gw = Randn(Dh, 16), gref(M * H * Dh);
   ToBf16(o);
@@ -198,15 +213,19 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
 
 // Three chunks (a prefill longer than the window, a decode token, a chunk shorter than the state) against
 // the CPU conv with the same states.
-// Ragged chunks with state; then two decode tokens in front, whose states KdaConv advances itself.
+// Ragged chunks with state; then two decode tokens in front, whose states KdaConv advances itself. Channels
+// C / 3 = 40 take the 8-channel kernel, 37 the scalar one; fp32 and bf16 outputs.
 TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
   REQUIRE_GPU();
   struct Layout {
     std::vector<int32_t> len, slot;
     int64_t decode;
   };
+  for (const int64_t C : {3 * 40, 3 * 37})
+  for (const int64_t K : {4, 2})
+  for (const bool out_bf16 : {false, true})
   for (const Layout& lay : {Layout{{9, 1, 2}, {2, 0, 3}, 0}, Layout{{1, 1, 9, 2}, {3, 0, 1, 4}, 2}}) {
-    const int64_t C = 3 * 40, K = 4, S = K - 1, slots = 5, chunks = static_cast<int64_t>(lay.len.size());
+    const int64_t S = K - 1, slots = 5, chunks = static_cast<int64_t>(lay.len.size());
     std::vector<int32_t> start, tok_start, tok_slot;
     for (int64_t c = 0, row = 0; c < chunks; row += lay.len[c++]) start.push_back(static_cast<int32_t>(row));
     for (int64_t c = 0; c < chunks; ++c)
@@ -215,12 +234,12 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
     std::vector<float> x = Randn(N * C, 17), w = Randn(C * K, 18, 0.5f), state = Randn(slots * S * C, 19);
     const std::vector<uint16_t> xs = ToSplitPlanes(x);
     DeviceBuffer<uint16_t> dx(xs);
-    DeviceBuffer<float> dw(w), dstate(state), q(N * C / 3), k(N * C / 3), v(N * C / 3);
+    DeviceBuffer<float> dw(w), dstate(state), q(N * C / 3), k(N * C / 3), v(N * C / 3);  // bf16 in their first half
     DeviceBuffer<int32_t> dts(tok_start), dtslot(tok_slot), dcs(start), dcl(lay.len), dcslot(lay.slot);
     KdaConvArgs a;
     a.N = N, a.C = C, a.K = K, a.x = Split{dx.bf(), C, N * C}, a.w = dw.get(), a.state = dstate.get();
     a.tok_start = dts.get(), a.tok_slot = dtslot.get(), a.out[0] = q.get(), a.out[1] = k.get(), a.out[2] = v.get();
-    a.out_bf16 = false, a.decode_tokens = lay.decode;
+    a.out_bf16 = out_bf16, a.decode_tokens = lay.decode;
     CUDA_OK(KdaConv(a, nullptr));
     const int64_t d = lay.decode;
     CUDA_OK(KdaConvUpdateState(a, chunks - d, dcs.get() + d, dcl.get() + d, dcslot.get() + d, nullptr));
@@ -234,9 +253,13 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
     for (int64_t t = 0; t < N; ++t)
       for (int64_t c = 0; c < C; ++c) {
         const auto& part = c < C / 3 ? hq : c < 2 * C / 3 ? hk : hv;
-        got[t * C + c] = part[t * (C / 3) + c % (C / 3)];
+        const int64_t i = t * (C / 3) + c % (C / 3);
+        uint16_t b;
+        std::memcpy(&b, reinterpret_cast<const char*>(part.data()) + 2 * i, 2);
+        got[t * C + c] = out_bf16 ? Bf16ToFloat(b) : part[i];
       }
-    EXPECT_LT(Rel(got, ref), 1e-5) << "decode tokens " << d;
+    EXPECT_LT(Rel(got, ref), out_bf16 ? 8e-3 : 1e-5) << "C " << C << " K " << K << " bf16 " << out_bf16
+                                                      << " decode tokens " << d;
     EXPECT_LT(Rel(dstate.ToHost(), ref_state), 1e-6) << "decode tokens " << d;
     KdaConvArgs bad = a;
     bad.K = kKdaConvMaxK + 1;
