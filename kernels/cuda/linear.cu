@@ -19,11 +19,10 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kRowsPerCta = 64;
-constexpr int kTokens = 64;  // tokens per pass: 8 n-tiles of 8
-constexpr int kNTiles = kTokens / 8;
+constexpr int kTokens = 64;  // tokens per pass: 8 n-tiles of 8 (16 when the grid would be small, below)
 constexpr int kStages = 6;   // weight k-blocks in flight per thread
 constexpr int kKBlock = 64;
-constexpr int kStagePitch = kTokens + 1;  // GLU staging row pitch (floats)
+constexpr int kStagePitch = kTokens + 1;  // GLU staging row pitch (floats), for passes of up to kTokens
 constexpr size_t kPipeBytes = size_t{kStages} * 4 * kThreads * 16;
 static_assert(2 * 32 * kStagePitch * sizeof(float) <= kPipeBytes, "the GLU staging reuses the weight ring");
 
@@ -52,8 +51,9 @@ __device__ __forceinline__ void Store(const LinearArgs& a, int64_t group, int64_
   }
 }
 
-template <bool kSplitX>
+template <bool kSplitX, int kPass>
 __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) {
+  constexpr int kNTiles = kPass / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [kStages][4][kThreads]: conflict-free 16-byte slots
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
@@ -78,8 +78,8 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
   const int64_t nkb = a.K / kKBlock;
   const int tail = static_cast<int>(a.K % kKBlock) / 16;
 
-  for (int64_t base = int64_t{blockIdx.z} * kTokens; base < count; base += int64_t{gridDim.z} * kTokens) {
-    const int T = static_cast<int>(min(int64_t{kTokens}, count - base));
+  for (int64_t base = int64_t{blockIdx.z} * kPass; base < count; base += int64_t{gridDim.z} * kPass) {
+    const int T = static_cast<int>(min(int64_t{kPass}, count - base));
     const int nt = (T + 7) / 8;
     const __nv_bfloat16* xr[kNTiles];  // this thread's B row (token base + 8j + gid) per n-tile
 #pragma unroll
@@ -199,17 +199,26 @@ __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) 
   }
 }
 
+template <bool kSplitX, int kPass>
+cudaError_t LaunchPass(const LinearArgs& a, dim3 grid, cudaStream_t stream) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      LinearKernel<kSplitX, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kPipeBytes));
+  if (attr != cudaSuccess) return attr;
+  grid.z = static_cast<unsigned>(std::min<int64_t>((a.M + kPass - 1) / kPass, 65535));
+  LinearKernel<kSplitX, kPass><<<grid, kThreads, kPipeBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Passes of 64 tokens; of 16 when that grid would not give every SM two CTAs (MLA's per-head products at a
+// decode batch: 64 CTAs of 8 k-blocks each were bound by the latency of their token loads). A token's sums do
+// not depend on its pass (same k order, its own accumulators), so the choice keeps rows batch invariant.
 template <bool kSplitX>
 cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      LinearKernel<kSplitX>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kPipeBytes));
-  if (attr != cudaSuccess) return attr;
   const bool glu = a.glu;
   const int64_t tiles = glu ? (a.N / 2 + 31) / 32 : (a.N + kRowsPerCta - 1) / kRowsPerCta;
-  const int64_t passes = std::min<int64_t>((a.M + kTokens - 1) / kTokens, 65535);
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.groups), static_cast<unsigned>(passes));
-  LinearKernel<kSplitX><<<grid, kThreads, kPipeBytes, stream>>>(a);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.groups), 1);
+  const int64_t ctas = tiles * a.groups * ((a.M + kTokens - 1) / kTokens);
+  return ctas < 2 * 132 ? LaunchPass<kSplitX, 16>(a, grid, stream) : LaunchPass<kSplitX, kTokens>(a, grid, stream);
 }
 
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

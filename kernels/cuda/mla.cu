@@ -91,14 +91,11 @@ struct DecodeLayout {
   }
 };
 
-// The 16×16 A fragment at column k0 of a row-major bf16 [16][ld] tile in smem (ptx.cuh's layout), with
-// 32-bit loads: the row strides used here spread the 8 rows over all banks.
+// The 16×16 A fragment at column k0 of a row-major bf16 [16][ld] tile in smem (ptx.cuh's layout): one
+// ldmatrix (the QK loop issues two per k-step; eight 32-bit loads made it instruction bound). The row strides
+// used here (≡ 8 mod 16) keep rows on 16 bytes and the eight rows of a matrix on distinct banks.
 __device__ __forceinline__ void LoadFragA(uint32_t (&a)[4], const __nv_bfloat16* tile, int ld, int k0, int lane) {
-  const __nv_bfloat16* p = tile + (lane >> 2) * ld + k0 + 2 * (lane & 3);
-  a[0] = *reinterpret_cast<const uint32_t*>(p);
-  a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * ld);
-  a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
-  a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * ld + 8);
+  ptx::LdMatrixX4(a, ptx::FragA(tile, ld, 0, k0, lane));
 }
 
 // Partials of run g of (token n, head h): acc [N][nh][kSplits][r] (unnormalized), ml [N][nh][kSplits] {max, sum}.

@@ -131,6 +131,32 @@ const LinearCase kLinearCases[] = {
 TEST(LinearCuda, KernelMatchesReference) {
   REQUIRE_GPU();
   for (const LinearCase& c : kLinearCases) CheckLinear(c, false);
+  CheckLinear({600, 3000, 256, true, LinearOut::kSplit}, false);  // a grid large enough for 64-token passes
+}
+
+// A row's output does not depend on how many rows came with it (the kernel's pass size follows the grid).
+TEST(LinearCuda, KernelRowsAreBatchInvariant) {
+  REQUIRE_GPU();
+  const int64_t N = 3000, K = 256, M = 600;
+  std::vector<float> w = Randn(N * K, 31, 0.05f);
+  DeviceBuffer<uint16_t> dw(ToBf16(w));
+  std::vector<float> x = Randn(M * K, 32);
+  DeviceBuffer<uint16_t> dx(ToSplitPlanes(x));
+  std::vector<std::vector<float>> outs;
+  for (const int64_t rows : {M, int64_t{3}}) {
+    std::vector<uint16_t> planes(2 * rows * K);
+    const std::vector<uint16_t> all = dx.ToHost();
+    std::copy_n(all.begin(), rows * K, planes.begin());
+    std::copy_n(all.begin() + M * K, rows * K, planes.begin() + rows * K);
+    DeviceBuffer<uint16_t> xb(planes);
+    DeviceBuffer<float> y(rows * N);
+    LinearArgs a;
+    a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{xb.bf(), K, rows * K}, a.y = y.get(), a.ldy = N, a.M = rows;
+    CUDA_OK(Linear(a, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    outs.push_back(y.ToHost());
+  }
+  for (size_t j = 0; j < outs[1].size(); ++j) ASSERT_EQ(outs[1][j], outs[0][j]) << "element " << j;
 }
 
 TEST(LinearCuda, BlasMatchesReference) {
