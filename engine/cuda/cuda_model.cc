@@ -39,7 +39,9 @@ constexpr int64_t kMlaQueryTile = 512;
 struct KdaW {
   bf16 *in = nullptr, *f_b = nullptr, *g_b = nullptr, *g = nullptr, *b = nullptr, *o = nullptr;
   float *conv = nullptr, *A_log = nullptr, *dt_bias = nullptr, *o_norm = nullptr;
-  int64_t in_rows = 0;  // [q; k; v; f_a; g_a (low-rank gate)]
+  // [q; k; v; f_a; g_a (low-rank gate); b (head dims 64 and 128, whose kernels take b as bf16: one product
+  // fewer, b read from the projection output; else b is a product of its own, fp32 out)]
+  int64_t in_rows = 0;
 };
 struct MlaW {
   bf16 *in = nullptr, *q_b = nullptr, *kv_b = nullptr, *ukt = nullptr, *o = nullptr, *g = nullptr;
@@ -398,7 +400,8 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
     if (c.mixer[l] == Mixer::kKda) {
       KdaW& k = w.kda;
       const int64_t H = c.kda_heads, D = c.kda_head_dim, HD = H * D, K = c.conv_kernel;
-      k.in_rows = 3 * HD + D + (c.kda_full_rank_gate ? 0 : D);
+      const bool b_in = D == 64 || D == 128;
+      k.in_rows = 3 * HD + D + (c.kda_full_rank_gate ? 0 : D) + (b_in ? H : 0);
       K3_ASSIGN_OR_RETURN(k.in, bf(k.in_rows * d));
       K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaQ), k.in));
       K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaK), k.in + HD * d));
@@ -414,8 +417,12 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
         K3_ASSIGN_OR_RETURN(k.g_b, bf(HD * D));
         K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaGB), k.g_b));
       }
-      K3_ASSIGN_OR_RETURN(k.b, bf(H * d));
-      K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaB), k.b));
+      if (b_in) {
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaB), k.in + (k.in_rows - H) * d));
+      } else {
+        K3_ASSIGN_OR_RETURN(k.b, bf(H * d));
+        K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaB), k.b));
+      }
       K3_ASSIGN_OR_RETURN(k.o, bf(d * HD));
       K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaO), k.o));
       K3_ASSIGN_OR_RETURN(k.conv, f32(3 * HD * K));
@@ -627,7 +634,7 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   std::optional<Phase> phase(std::in_place, *this, "kda.proj");
   K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
   K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw));
-  K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw));
+  if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw));
   if (c.kda_full_rank_gate) {
     K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32));
   } else {
@@ -649,13 +656,14 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
     KdaArgs ka;
     ka.H = H, ka.D = D, ka.gate = gk, ka.lower_bound = c.kda_gate_lower_bound;
     ka.A_log = w.A_log, ka.dt_bias = w.dt_bias, ka.state = kda_state[l];
-    ka.q = at(qc, 0, HD), ka.k = at(kc, 0, HD), ka.v = at(vc, 0, HD), ka.g_raw = at(graw, 0, HD), ka.b = at(bbuf, 0, H);
+    ka.q = at(qc, 0, HD), ka.k = at(kc, 0, HD), ka.v = at(vc, 0, HD), ka.g_raw = at(graw, 0, HD);
+    ka.b = win.p + (w.in_rows - H), ka.ldb = win.ld;  // the hi plane: bf16(x · W_b), the product's bf16 output
     ka.o = at(obuf, 0, HD), ka.state_idx = md[kTokSlot];
     if (nd > 0) K3_CUDA_OK(KdaDecode(ka, nd, stream));
     if (np > 0) {
       KdaArgs kp = ka;
       kp.q = at(qc, nd, HD), kp.k = at(kc, nd, HD), kp.v = at(vc, nd, HD), kp.g_raw = at(graw, nd, HD);
-      kp.b = at(bbuf, nd, H), kp.o = at(obuf, nd, HD), kp.state_idx = md[kChSlot] + nd;
+      kp.b = ka.b + nd * win.ld, kp.o = at(obuf, nd, HD), kp.state_idx = md[kChSlot] + nd;
       KdaPrefillBatch batch;
       batch.num_seqs = np, batch.cu_seqlens = md[kCu];
       batch.has_initial_state = reinterpret_cast<const uint8_t*>(md[kHasInit]);

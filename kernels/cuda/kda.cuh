@@ -36,6 +36,7 @@ struct KdaArgs {
   const __nv_bfloat16* v = nullptr;
   const __nv_bfloat16* g_raw = nullptr;
   const __nv_bfloat16* b = nullptr;
+  int64_t ldb = 0;  // row stride of b (elements; 0: H): b may be columns of a wider projection output
   const float* A_log = nullptr;
   const float* dt_bias = nullptr;
   KdaGate gate = KdaGate::kSoftplus;

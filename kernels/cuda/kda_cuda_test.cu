@@ -304,7 +304,8 @@ TEST(KdaDecode, MatchesRecurrence) {
     }
 }
 
-// A prompt through the prefill, then decode steps on the state it left: the same as one recurrence.
+// A prompt through the prefill, then decode steps on the state it left: the same as one recurrence. beta's
+// input b sits in a wider buffer (row stride ldb), as in the engine, where it is columns of the projection output.
 TEST(KdaPrefillThenDecode, ContinuesTheRecurrence) {
   REQUIRE_GPU();
   const int64_t D = 128, T = 100, steps = 3;
@@ -313,10 +314,14 @@ TEST(KdaPrefillThenDecode, ContinuesTheRecurrence) {
   Reference(p, false, &o_ref, &pool_ref);
 
   const int64_t hd = p.H * D;
-  DeviceBuffer<uint16_t> q(p.q), k(p.k), v(p.v), g(p.g), b(p.b), out(std::vector<uint16_t>(p.q.size(), kPoison));
+  const int64_t ldb = p.H + 5;
+  std::vector<uint16_t> b_wide((T + steps) * ldb, kPoison);
+  for (int64_t t = 0; t < T + steps; ++t) std::copy_n(p.b.begin() + t * p.H, p.H, b_wide.begin() + t * ldb);
+  DeviceBuffer<uint16_t> q(p.q), k(p.k), v(p.v), g(p.g), b(b_wide), out(std::vector<uint16_t>(p.q.size(), kPoison));
   DeviceBuffer<float> A_log(p.A_log), dt_bias(p.dt_bias), state(p.state);
   DeviceBuffer<int32_t> slot(p.slot), cu(std::vector<int32_t>{0, int32_t(T)});
   KdaArgs a = Args(p, q, k, v, g, b, A_log, dt_bias, state, slot, out);
+  a.ldb = ldb;
   KdaPrefillBatch batch;
   batch.num_seqs = 1;
   batch.cu_seqlens = cu.get();
@@ -327,7 +332,7 @@ TEST(KdaPrefillThenDecode, ContinuesTheRecurrence) {
   CUDA_OK(KdaPrefill(a, batch, nullptr));
   for (int64_t t = T; t < T + steps; ++t) {  // token t as a batch of one
     KdaArgs d = a;
-    d.q += t * hd, d.k += t * hd, d.v += t * hd, d.g_raw += t * hd, d.b += t * p.H, d.o += t * hd;
+    d.q += t * hd, d.k += t * hd, d.v += t * hd, d.g_raw += t * hd, d.b += t * ldb, d.o += t * hd;
     CUDA_OK(KdaDecode(d, 1, nullptr));
   }
   CUDA_OK(cudaDeviceSynchronize());

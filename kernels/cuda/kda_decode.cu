@@ -54,7 +54,7 @@ __global__ __launch_bounds__(kThreads) void KdaDecodeKernel(KdaArgs a) {
     sdecay[tid] = __expf(kda::Gate(a.gate, x, expf(a.A_log[h]), a.lower_bound));
   }
   const float vj = tid < kBV ? ToFloat(a.v[row * D + vb * kBV + tid]) : 0.0f;
-  const float beta = kda::Sigmoid(ToFloat(a.b[row]));
+  const float beta = kda::Sigmoid(ToFloat(a.b[n * (a.ldb ? a.ldb : a.H) + h]));
 
   // |q|², |k|² and q·k over the block.
   float qq = WarpSum(qi * qi), kk = WarpSum(ki * ki), qk = WarpSum(qi * ki);

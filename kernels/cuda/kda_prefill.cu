@@ -172,7 +172,8 @@ __global__ __launch_bounds__(kThreads, 2) void KdaChunkIntraKernel(KdaArgs a, Kd
     ptx::CpAsync16(sGraw + r * D + col, a.g_raw + off, in ? 16 : 0);
   }
   ptx::CpAsyncCommit();
-  if (tid < C) sBeta[tid] = tid < len ? kda::Sigmoid(__bfloat162float(a.b[(t0 + tid) * H + h])) : 0.0f;
+  const int64_t ldb = a.ldb ? a.ldb : H;
+  if (tid < C) sBeta[tid] = tid < len ? kda::Sigmoid(__bfloat162float(a.b[(t0 + tid) * ldb + h])) : 0.0f;
   ptx::CpAsyncWaitAll();
   __syncthreads();
 

@@ -124,25 +124,29 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
   const bf16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
   const int chunks = cw / 8;  // 16-byte chunks per cache row
 
+  // A warp copies rows warp, warp + 4, ...; its lanes the row's 16-byte chunks (no divisions: they were most
+  // of this kernel's instructions).
   auto load_tile = [&](int64_t t, int stage) {
     bf16* dst = c_s + stage * kRows * ldc;
-    for (int i = tid; i < kRows * chunks; i += kThreads) {
-      const int row = i / chunks, ch = i % chunks;
+    for (int row = warp; row < kRows; row += kThreads / 32) {
       const int64_t j = t * kRows + row;
       const bool valid = j < L;
-      ptx::CpAsync16(dst + row * ldc + ch * 8, C + (valid ? j : 0) * cw + ch * 8, valid ? 16 : 0);
+      const bf16* src = C + (valid ? j : 0) * cw;
+      for (int ch = lane; ch < chunks; ch += 32) ptx::CpAsync16(dst + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
     }
     ptx::CpAsyncCommit();
   };
   if (t_begin < t_end) load_tile(t_begin, 0);
 
   // Query (hi, lo) of the 16 heads; padding columns of Q and of both cache stages are zeros.
-  for (int i = tid; i < kHeads * cwp; i += kThreads) {
-    const int h = i / cwp, c = i % cwp;
-    const float v = h0 + h < s.nh && c < cw ? qa[(n * s.nh + h0 + h) * cw + c] : 0.0f;
-    const bf16 hi = __float2bfloat16_rn(v);
-    q_s[h * ldc + c] = hi;
-    q_s[(kHeads + h) * ldc + c] = __float2bfloat16_rn(v - __bfloat162float(hi));
+  for (int h = warp; h < kHeads; h += kThreads / 32) {
+    const float* qrow = qa + (n * s.nh + h0 + h) * cw;
+    for (int c = lane; c < cwp; c += 32) {
+      const float v = h0 + h < s.nh && c < cw ? qrow[c] : 0.0f;
+      const bf16 hi = __float2bfloat16_rn(v);
+      q_s[h * ldc + c] = hi;
+      q_s[(kHeads + h) * ldc + c] = __float2bfloat16_rn(v - __bfloat162float(hi));
+    }
   }
   for (int i = tid; i < 2 * kRows * (cwp - cw); i += kThreads)
     c_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
