@@ -560,7 +560,9 @@ absl::Status CudaModel::Impl::AllocWork() {
   K3_ASSIGN_OR_RETURN(a, AllocSplit(N, d));
   K3_ASSIGN_OR_RETURN(m, AllocSplit(N, d));
   K3_ASSIGN_OR_RETURN(fn, AllocSplit(N, d));
-  K3_ASSIGN_OR_RETURN(win, AllocSplit(N, std::max<int64_t>(win_cols, 8)));
+  // Rows on 16 bytes: the products that read column slices of win (f_a, g_a) need them, and with b's H rows
+  // the KDA projection's width need not be a multiple of 8.
+  K3_ASSIGN_OR_RETURN(win, AllocSplit(N, (std::max<int64_t>(win_cols, 8) + 7) / 8 * 8));
   K3_ASSIGN_OR_RETURN(onorm, AllocSplit(N, wide_cols));
   K3_ASSIGN_OR_RETURN(hid, AllocSplit(N, std::max<int64_t>(hidden_cols, 8)));
   K3_ASSIGN_OR_RETURN(gate, Alloc<float>(N * wide_cols));
