@@ -11,7 +11,8 @@ constexpr int kThreads = 256;
 
 constexpr int kMaxK = static_cast<int>(kKdaConvMaxK);  // unrolled (Kimi: K = 4): the K loads are in flight together
 
-// One thread per (token, channel). Grid: (channel blocks, token stride); 32-bit channel math.
+// One thread per (token, channel), for any C and K (ConvKernel8 below takes the usual shapes). Grid: (channel
+// blocks, token stride); 32-bit channel math.
 __global__ void ConvKernel(KdaConvArgs a) {
   const int c = blockIdx.x * kThreads + threadIdx.x, C = static_cast<int>(a.C), K = static_cast<int>(a.K);
   if (c >= C) return;

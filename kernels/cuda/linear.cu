@@ -1,5 +1,5 @@
 // y = x · Wᵀ (see linear.cuh). One CTA: 4 warps × 16 weight rows (a GLU CTA: 32 gate rows and the 32 matching
-// up rows), one group, passes of up to 64 tokens.
+// up rows), one group, passes of up to 64 tokens (16 for small grids, Launch).
 //
 // Operand layout. Each thread loads 16 consecutive k of its two weight rows (gid, gid + 8) per 64-wide k-block
 // (two 16-byte cp.async per row), and 16 consecutive k of its token (gid) from x. A dot product does not care

@@ -3,8 +3,9 @@
 // Reference: k3::cpu::Linear / GluMlp. Two implementations of the same arguments:
 //
 //   Linear      our mma.sync kernel: any number of groups with column strides (the per-head products of MLA).
-//               Each CTA streams a 64-row weight tile (cp.async, six k-blocks in flight per thread) once per 64
-//               tokens (weights as the 16-row A operand, tokens as the 8-column B operand).
+//               Each CTA streams a 64-row weight tile (cp.async, six k-blocks in flight per thread) once per pass
+//               of 64 tokens (16 when the grid is small) (weights as the 16-row A operand, tokens as the 8-column
+//               B operand).
 //   LinearBlas  cuBLASLt, for the dense products (one group): the engine's projections and LM head. A split x
 //               is stacked as [hi; lo] rows so that one GEMM reads the weight once for both halves; a fold pass
 //               sums the halves into the output mode (and applies the GLU).
