@@ -132,6 +132,7 @@ struct CudaModel::Impl {
   float *gate = nullptr, *rlogits = nullptr, *wts = nullptr, *moe_out = nullptr;
   void *graw = nullptr, *bbuf = nullptr, *qc = nullptr, *kc = nullptr, *vc = nullptr, *obuf = nullptr;
   int32_t *idx = nullptr, *ids = nullptr, *hits = nullptr;
+  uint64_t* argmax_keys = nullptr;  // Argmax's workspace
   void* mla_decode_ws = nullptr;
   // Grown on demand.
   void* scratch = nullptr;  // KDA prefill and MLA prefill workspaces (used one at a time)
@@ -601,6 +602,7 @@ absl::Status CudaModel::Impl::AllocWork() {
   K3_ASSIGN_OR_RETURN(hits, Alloc<int32_t>(L));
   K3_CUDA_OK(cudaMemset(hits, 0, L * sizeof(int32_t)));
   K3_ASSIGN_OR_RETURN(ids, Alloc<int32_t>(N));
+  K3_ASSIGN_OR_RETURN(argmax_keys, Alloc<uint64_t>(N));
   // Metadata: 4 per token, 3 per chunk, cu_seqlens, logit rows, has_initial_state bytes.
   meta_cap = 4 * N + 3 * N + (N + 1) + N + N / 4 + 1;
   K3_ASSIGN_OR_RETURN(meta, Alloc<int32_t>(meta_cap));
@@ -1054,7 +1056,7 @@ absl::Status CudaModel::ForwardGreedy(std::span<const GpuChunk> chunks, std::vec
   ids->resize(R);
   if (R > 0) {
     Phase p(m, "argmax");
-    K3_CUDA_OK(Argmax(R, m.c.vocab_size, m.logits, m.ids, m.stream));
+    K3_CUDA_OK(Argmax(R, m.c.vocab_size, m.logits, m.argmax_keys, m.ids, m.stream));
     K3_CUDA_OK(cudaMemcpyAsync(ids->data(), m.ids, R * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
   }
   K3_CUDA_OK(cudaStreamSynchronize(m.stream));

@@ -460,18 +460,34 @@ TEST(AttnResCuda, NaiveReadMatchesCpu) {
 
 // ------------------------------------------------------------------------------------------- sampling
 
+// Ties across and within the CTAs that share a row, the last id, NaN, all −inf, a vocabulary that is not a
+// multiple of 4 (the scalar path); against the CPU's first-maximum scan.
 TEST(SamplingCuda, ArgmaxTakesLowestIdOnTies) {
   REQUIRE_GPU();
-  const int64_t R = 3, V = 163840;
-  std::vector<float> l = Randn(R * V, 70);
-  l[5] = 50.0f, l[77] = 50.0f;                   // row 0: tie → 5
-  l[V + V - 1] = 60.0f;                          // row 1: last id
-  l[2 * V + 1000] = 9.0f, l[2 * V + 999] = 9.0f;  // row 2: tie → 999
-  DeviceBuffer<float> dl(l);
-  DeviceBuffer<int32_t> ids(R);
-  CUDA_OK(Argmax(R, V, dl.get(), ids.get(), nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(ids.ToHost(), (std::vector<int32_t>{5, static_cast<int32_t>(V - 1), 999}));
+  for (const int64_t V : {int64_t{163840}, int64_t{5003}, int64_t{1}}) {
+    const int64_t R = 6;
+    std::vector<float> l = Randn(R * V, 70);
+    if (V > 5000) {
+      l[5] = 50.0f, l[4096 + 77] = 50.0f;            // row 0: tie across CTAs → 5
+      l[V + V - 1] = 60.0f;                          // row 1: last id
+      l[2 * V + 1000] = 9.0f, l[2 * V + 999] = 9.0f;  // row 2: tie within a thread's float4 → 999
+      l[3 * V + 7] = NAN, l[3 * V + 8] = 70.0f;      // row 3: NaN is never chosen
+      for (int64_t c = 0; c < V; ++c) l[4 * V + c] = -INFINITY;  // row 4: all −inf → 0
+    }
+    std::vector<int32_t> want(R);
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t best = 0;
+      for (int64_t c = 1; c < V; ++c)
+        if (l[r * V + c] > l[r * V + best] || std::isnan(l[r * V + best])) best = c;
+      want[r] = static_cast<int32_t>(best);
+    }
+    DeviceBuffer<float> dl(l);
+    DeviceBuffer<int32_t> ids(R);
+    DeviceBuffer<uint64_t> keys(R);
+    CUDA_OK(Argmax(R, V, dl.get(), keys.get(), ids.get(), nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(ids.ToHost(), want) << "V " << V;
+  }
 }
 
 }  // namespace

@@ -1,40 +1,66 @@
 #include "kernels/cuda/sampling.cuh"
 
+#include <algorithm>
 #include <cmath>
 
 namespace k3::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 256;
+constexpr int kPerThread = 16;  // logits a thread reads (four float4 when V allows)
+constexpr int kSpan = kThreads * kPerThread;
 
-__device__ __forceinline__ void Better(float& v, int& i, float ov, int oi) {
-  if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+// Order-preserving key of (logit, id): a larger logit wins, then the lower id; NaN ranks as −inf (never chosen
+// over a number). A real key is never 0, the value keys are cleared to.
+__device__ __forceinline__ uint64_t Key(float v, int64_t c) {
+  uint32_t u = __float_as_uint(v != v ? -INFINITY : v + 0.0f);  // −0 → +0
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (uint64_t{u} << 32) | (0xffffffffu - static_cast<uint32_t>(c));
 }
 
-// One CTA per row.
-__global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float* logits, int32_t* ids) {
+// CTA (row r, span s): the best key of logits [s·kSpan, (s + 1)·kSpan) of row r, folded into keys[r].
+__global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float* logits, uint64_t* keys) {
   const float* row = logits + int64_t{blockIdx.x} * V;
-  float v = -INFINITY;
-  int i = static_cast<int>(V);
-  for (int64_t c = threadIdx.x; c < V; c += kThreads) Better(v, i, row[c], static_cast<int>(c));
-  for (int off = 16; off > 0; off >>= 1)
-    Better(v, i, __shfl_xor_sync(0xffffffffu, v, off), __shfl_xor_sync(0xffffffffu, i, off));
-  __shared__ float sv[kThreads / 32];
-  __shared__ int si[kThreads / 32];
-  if ((threadIdx.x & 31) == 0) sv[threadIdx.x >> 5] = v, si[threadIdx.x >> 5] = i;
+  const int64_t c0 = int64_t{blockIdx.y} * kSpan;
+  uint64_t best = 0;
+  const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+#pragma unroll
+  for (int q = 0; q < kPerThread / 4; ++q) {
+    const int64_t c = c0 + (int64_t{q} * kThreads + threadIdx.x) * 4;
+    if (vec && c + 4 <= V) {
+      const float4 v = *reinterpret_cast<const float4*>(row + c);
+      best = max(best, max(max(Key(v.x, c), Key(v.y, c + 1)), max(Key(v.z, c + 2), Key(v.w, c + 3))));
+    } else {
+      for (int e = 0; e < 4; ++e)
+        if (c + e < V) best = max(best, Key(row[c + e], c + e));
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+  __shared__ uint64_t warp_best[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) Better(v, i, sv[w], si[w]);
-    ids[blockIdx.x] = i;
+    for (int w = 1; w < kThreads / 32; ++w) best = max(best, warp_best[w]);
+    atomicMax(reinterpret_cast<unsigned long long*>(keys + blockIdx.x), static_cast<unsigned long long>(best));
   }
+}
+
+__global__ void KeysToIdsKernel(int64_t R, const uint64_t* keys, int32_t* ids) {
+  const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (r < R) ids[r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
 }
 
 }  // namespace
 
-cudaError_t Argmax(int64_t R, int64_t V, const float* logits, int32_t* ids, cudaStream_t stream) {
-  if (R < 0 || V <= 0 || V > 0x7fffffff || !logits || !ids) return cudaErrorInvalidValue;
+cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, int32_t* ids, cudaStream_t stream) {
+  if (R < 0 || R > 0x7fffffff || V <= 0 || (V + kSpan - 1) / kSpan > 65535 || !logits || !keys || !ids)
+    return cudaErrorInvalidValue;
   if (R == 0) return cudaSuccess;
-  ArgmaxKernel<<<static_cast<unsigned>(R), kThreads, 0, stream>>>(V, logits, ids);
+  cudaError_t err = cudaMemsetAsync(keys, 0, R * sizeof(uint64_t), stream);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(R), static_cast<unsigned>((V + kSpan - 1) / kSpan));
+  ArgmaxKernel<<<grid, kThreads, 0, stream>>>(V, logits, keys);
+  KeysToIdsKernel<<<static_cast<unsigned>((R + 255) / 256), 256, 0, stream>>>(R, keys, ids);
   return cudaGetLastError();
 }
 
