@@ -134,29 +134,21 @@ TEST(LinearCuda, KernelMatchesReference) {
   CheckLinear({600, 3000, 256, true, LinearOut::kSplit}, false);  // a grid large enough for 64-token passes
 }
 
-// A row's output does not depend on how many rows came with it (the kernel's pass size follows the grid).
-TEST(LinearCuda, KernelRowsAreBatchInvariant) {
-  REQUIRE_GPU();
-  const int64_t N = 3000, K = 256, M = 600;
-  std::vector<float> w = Randn(N * K, 31, 0.05f);
-  DeviceBuffer<uint16_t> dw(ToBf16(w));
-  std::vector<float> x = Randn(M * K, 32);
-  DeviceBuffer<uint16_t> dx(ToSplitPlanes(x));
-  std::vector<std::vector<float>> outs;
-  for (const int64_t rows : {M, int64_t{3}}) {
-    std::vector<uint16_t> planes(2 * rows * K);
-    const std::vector<uint16_t> all = dx.ToHost();
-    std::copy_n(all.begin(), rows * K, planes.begin());
-    std::copy_n(all.begin() + M * K, rows * K, planes.begin() + rows * K);
-    DeviceBuffer<uint16_t> xb(planes);
-    DeviceBuffer<float> y(rows * N);
-    LinearArgs a;
-    a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{xb.bf(), K, rows * K}, a.y = y.get(), a.ldy = N, a.M = rows;
-    CUDA_OK(Linear(a, nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    outs.push_back(y.ToHost());
-  }
-  for (size_t j = 0; j < outs[1].size(); ++j) ASSERT_EQ(outs[1][j], outs[0][j]) << "element " << j;
+// y = x · Wᵀ (fp32) of the first `rows` rows of the split planes x_all ([M, K], lo plane M·K on) as a batch of
+// their own (lo plane rows·K on), through `run` (Linear or a LinearBlas).
+template <class Run>
+std::vector<float> FirstRowsAlone(const std::vector<uint16_t>& x_all, int64_t M, int64_t K, int64_t rows,
+                                  int64_t N, const __nv_bfloat16* w, Run run) {
+  std::vector<uint16_t> planes(2 * rows * K);
+  std::copy_n(x_all.begin(), rows * K, planes.begin());
+  std::copy_n(x_all.begin() + M * K, rows * K, planes.begin() + rows * K);
+  DeviceBuffer<uint16_t> xb(planes);
+  DeviceBuffer<float> y(rows * N);
+  LinearArgs a;
+  a.N = N, a.K = K, a.w = w, a.x = Split{xb.bf(), K, rows * K}, a.y = y.get(), a.ldy = N, a.M = rows;
+  EXPECT_EQ(run(a), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return y.ToHost();
 }
 
 TEST(LinearCuda, BlasMatchesReference) {
@@ -167,32 +159,25 @@ TEST(LinearCuda, BlasMatchesReference) {
   CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, GluAct::kSilu}, true, LinearBlas::WorkspaceBytes(3, 192, 256));
 }
 
-// A row's output does not depend on the other rows of the batch (the engine's batched == alone).
-TEST(LinearCuda, BlasRowsAreBatchInvariant) {
+// A row's output does not depend on the other rows of the batch (the engine's batched == alone): on Linear,
+// whose pass size follows the grid (16 tokens up to a few rows, 64 at M), and on LinearBlas.
+TEST(LinearCuda, RowsAreBatchInvariant) {
   REQUIRE_GPU();
-  const int64_t N = 2304, K = 4096, M = 300;
+  const int64_t N = 3000, K = 4096, M = 600;  // long K: cuBLASLt's choice for 128 rows splits it
   std::vector<float> w = Randn(N * K, 21, 0.02f), x = Randn(M * K, 22);
-  DeviceBuffer<uint16_t> dw(ToBf16(w)), dx(ToSplitPlanes(x));
+  DeviceBuffer<uint16_t> dw(ToBf16(w));
+  const std::vector<uint16_t> planes = ToSplitPlanes(x);
   LinearBlas lb;
   CUDA_OK(lb.Init(LinearBlas::WorkspaceBytes(M, N, K)));
-  std::vector<std::vector<float>> outs;
-  for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{64}, int64_t{M}}) {
-    // The first `rows` rows, as a batch of their own (a split buffer with its lo plane `rows` rows on).
-    std::vector<uint16_t> planes(2 * rows * K);
-    const std::vector<uint16_t> all = dx.ToHost();
-    std::copy_n(all.begin(), rows * K, planes.begin());
-    std::copy_n(all.begin() + M * K, rows * K, planes.begin() + rows * K);
-    DeviceBuffer<uint16_t> xb(planes);
-    DeviceBuffer<float> y(rows * N);
-    LinearArgs a;
-    a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{xb.bf(), K, rows * K}, a.y = y.get(), a.ldy = N, a.M = rows;
-    CUDA_OK(lb.Run(a, nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    outs.push_back(y.ToHost());
+  for (const bool blas : {false, true}) {
+    auto run = [&](const LinearArgs& a) { return blas ? lb.Run(a, nullptr) : Linear(a, nullptr); };
+    std::vector<std::vector<float>> outs;
+    for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{64}, M})
+      outs.push_back(FirstRowsAlone(planes, M, K, rows, N, dw.bf(), run));
+    for (size_t i = 0; i + 1 < outs.size(); ++i)
+      for (size_t j = 0; j < outs[i].size(); ++j)
+        ASSERT_EQ(outs[i][j], outs.back()[j]) << (blas ? "LinearBlas" : "Linear") << " batch " << i << " element " << j;
   }
-  for (size_t i = 0; i + 1 < outs.size(); ++i)
-    for (size_t j = 0; j < outs[i].size(); ++j)
-      ASSERT_EQ(outs[i][j], outs.back()[j]) << "batch " << i << " element " << j;
 }
 
 // ------------------------------------------------------------------------------------------------ norms
