@@ -163,7 +163,7 @@ TEST(LinearCuda, BlasMatchesReference) {
 // whose pass size follows the grid (16 tokens up to a few rows, 64 at M), and on LinearBlas.
 TEST(LinearCuda, RowsAreBatchInvariant) {
   REQUIRE_GPU();
-  const int64_t N = 3000, K = 4096, M = 600;  // long K: cuBLASLt's choice for 128 rows splits it
+  const int64_t N = 3000, K = 4096, M = 600;  // long K: where cuBLASLt's heuristic would vary its split per M
   std::vector<float> w = Randn(N * K, 21, 0.02f), x = Randn(M * K, 22);
   DeviceBuffer<uint16_t> dw(ToBf16(w));
   const std::vector<uint16_t> planes = ToSplitPlanes(x);
