@@ -151,14 +151,17 @@ cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream) {
   if (a.decode_tokens < 0 || a.decode_tokens > a.N || a.K > kMaxK) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
   if (a.C > 0x7fffffff || a.N > 0x7fffffff) return cudaErrorInvalidValue;
-  const bool vec = (a.K == 2 || a.K == 3 || a.K == 4) && (a.C / 3) % 8 == 0 && a.x.ld % 8 == 0 && a.x.lo % 8 == 0 && Aligned16(a.x.p) && Aligned16(a.w) &&
-                   Aligned16(a.state) && Aligned16(a.out[0]) && Aligned16(a.out[1]) && Aligned16(a.out[2]);
+  const bool vec = a.K <= 4 && (a.C / 3) % 8 == 0 && a.x.ld % 8 == 0 && a.x.lo % 8 == 0 && Aligned16(a.x.p) &&
+                   Aligned16(a.w) && Aligned16(a.state) && Aligned16(a.out[0]) && Aligned16(a.out[1]) &&
+                   Aligned16(a.out[2]);
   if (vec) {
     const dim3 grid(static_cast<unsigned>((a.C / 8 + kThreads - 1) / kThreads),
                     static_cast<unsigned>(std::min<int64_t>(a.N, 65535)));
-    if (a.K == 2) ConvKernel8<2><<<grid, kThreads, 0, stream>>>(a);
-    if (a.K == 3) ConvKernel8<3><<<grid, kThreads, 0, stream>>>(a);
-    if (a.K == 4) ConvKernel8<4><<<grid, kThreads, 0, stream>>>(a);
+    switch (a.K) {
+      case 2: ConvKernel8<2><<<grid, kThreads, 0, stream>>>(a); break;
+      case 3: ConvKernel8<3><<<grid, kThreads, 0, stream>>>(a); break;
+      default: ConvKernel8<4><<<grid, kThreads, 0, stream>>>(a); break;
+    }
     return cudaGetLastError();
   }
   const dim3 grid(static_cast<unsigned>((a.C + kThreads - 1) / kThreads),

@@ -375,44 +375,42 @@ __global__ void GluRowsKernel(int64_t s_begin, int64_t rows, int chunks, const i
   }
 }
 
-// out[n] = Σ_j w[n, j] · y[pair_slot[n·k + j]] in j order (fp32), 8 columns at a time.
+// acc = Σ_j w[n, j] · y[pair_slot[n·k + j]] in j order, columns 8c .. 8c + 7 of y's 16-byte chunks; y_lo_chunks
+// ≠ 0: y is split, y_hi + y_lo with the lo plane that many chunks on.
+__device__ __forceinline__ void CombineChunk(int64_t n, int64_t c, int chunks, int top_k, const int32_t* pair_slot,
+                                             const float* w, const int4* y, int64_t y_lo_chunks, float (&acc)[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    const int s = pair_slot[n * top_k + j];
+    if (s < 0) continue;
+    const float wt = w[n * top_k + j];
+    float v[8], lo[8] = {};
+    Unpack(y[static_cast<int64_t>(s) * chunks + c], v);
+    if (y_lo_chunks) Unpack(y[static_cast<int64_t>(s) * chunks + c + y_lo_chunks], lo);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] += wt * (y_lo_chunks ? v[q] + lo[q] : v[q]);
+  }
+}
+
+// out[n] = the combine of token n (bf16 out; split y: fp32 out), 8 columns at a time.
 __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
                               const int4* y, int4* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t n = i / chunks, c = i % chunks;
-    float acc[8] = {};
-    for (int j = 0; j < top_k; ++j) {
-      const int s = pair_slot[n * top_k + j];
-      if (s < 0) continue;
-      const float wt = w[n * top_k + j];
-      float v[8];
-      Unpack(y[static_cast<int64_t>(s) * chunks + c], v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += wt * v[q];
-    }
+    float acc[8];
+    CombineChunk(i / chunks, i % chunks, chunks, top_k, pair_slot, w, y, 0, acc);
     out[i] = Pack(acc);
   }
 }
 
-// The split path's sum: out[n] = Σ_j w[n, j] · (y_hi + y_lo)[pair_slot[n·k + j]] in j order, fp32 out, 8
-// columns at a time (y_lo is a multiple of 8: the planes are [max_pairs, D] with D % 8 == 0).
+// y_lo_chunks: the lo plane's offset, a whole number of chunks (the planes are [max_pairs, D], D % 8 == 0).
 __global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
                                    const int4* y, int64_t y_lo_chunks, float4* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t n = i / chunks, c = i % chunks;
-    float acc[8] = {};
-    for (int j = 0; j < top_k; ++j) {
-      const int s = pair_slot[n * top_k + j];
-      if (s < 0) continue;
-      const float wt = w[n * top_k + j];
-      float hi[8], lo[8];
-      Unpack(y[static_cast<int64_t>(s) * chunks + c], hi);
-      Unpack(y[static_cast<int64_t>(s) * chunks + c + y_lo_chunks], lo);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += wt * (hi[q] + lo[q]);
-    }
+    float acc[8];
+    CombineChunk(i / chunks, i % chunks, chunks, top_k, pair_slot, w, y, y_lo_chunks, acc);
     out[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     out[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }

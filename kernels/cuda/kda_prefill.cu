@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/kda.cuh"
 #include "kernels/cuda/kda_common.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -688,10 +689,8 @@ cudaError_t Launch(const KdaArgs& a, const KdaPrefillBatch& b, cudaStream_t stre
                              stream>>>(a, b, ws);
     if (const cudaError_t le = cudaGetLastError(); le != cudaSuccess) return le;
   }
-  int dev = 0, sms = 0;
-  if (const cudaError_t de = cudaGetDevice(&dev); de != cudaSuccess) return de;
-  if (const cudaError_t ae = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); ae != cudaSuccess)
-    return ae;
+  int sms = 0;
+  if (const cudaError_t e = SmCount(&sms); e != cudaSuccess) return e;
   switch (ChooseBV(D, b.num_seqs * a.H, sms)) {
     case 128:
       if constexpr (D == 128) return LaunchInter<D, 128>(a, b, ws, stream);

@@ -209,16 +209,6 @@ cudaError_t LaunchPass(const LinearArgs& a, dim3 grid, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-int NumSms() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
-      return 132;
-    return sms;
-  }();
-  return n;
-}
-
 // Passes of 64 tokens; of 16 when that grid would not give every SM two CTAs (MLA's per-head products at a
 // decode batch: 64 CTAs of 8 k-blocks each were bound by the latency of their token loads). A token's sums do
 // not depend on its pass (same k order, its own accumulators), so the choice keeps rows batch invariant.
@@ -228,8 +218,9 @@ cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
   const int64_t tiles = glu ? (a.N / 2 + 31) / 32 : (a.N + kRowsPerCta - 1) / kRowsPerCta;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.groups), 1);
   const int64_t ctas = tiles * a.groups * ((a.M + kTokens - 1) / kTokens);
-  return ctas < 2 * NumSms() ? LaunchPass<kSplitX, 16>(a, grid, stream)
-                             : LaunchPass<kSplitX, kTokens>(a, grid, stream);
+  int sms = 0;
+  K3_CUDA_TRY(SmCount(&sms));
+  return ctas < 2 * sms ? LaunchPass<kSplitX, 16>(a, grid, stream) : LaunchPass<kSplitX, kTokens>(a, grid, stream);
 }
 
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

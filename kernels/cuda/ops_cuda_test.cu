@@ -225,7 +225,7 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
 // Three chunks (a prefill longer than the window, a decode token, a chunk shorter than the state) against
 // the CPU conv with the same states.
 // Ragged chunks with state; then two decode tokens in front, whose states KdaConv advances itself. Channels
-// C / 3 = 40 take the 8-channel kernel, 37 the scalar one; fp32 and bf16 outputs.
+// C / 3 = 40 take the 8-channel kernel (each of its kernel sizes), 37 the scalar one; fp32 and bf16 outputs.
 TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
   REQUIRE_GPU();
   struct Layout {
@@ -233,7 +233,7 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
     int64_t decode;
   };
   for (const int64_t C : {3 * 40, 3 * 37})
-  for (const int64_t K : {4, 2})
+  for (const int64_t K : {4, 3, 2})
   for (const bool out_bf16 : {false, true})
   for (const Layout& lay : {Layout{{9, 1, 2}, {2, 0, 3}, 0}, Layout{{1, 1, 9, 2}, {3, 0, 1, 4}, 2}}) {
     const int64_t S = K - 1, slots = 5, chunks = static_cast<int64_t>(lay.len.size());
@@ -472,6 +472,9 @@ TEST(SamplingCuda, ArgmaxTakesLowestIdOnTies) {
     CUDA_OK(Argmax(R, V, dl.get(), keys.get(), ids.get(), nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_EQ(ids.ToHost(), want) << "V " << V;
+    EXPECT_EQ(Argmax(0, V, dl.get(), keys.get(), ids.get(), nullptr), cudaSuccess);  // no rows: nothing written
+    EXPECT_EQ(Argmax(R, 0, dl.get(), keys.get(), ids.get(), nullptr), cudaErrorInvalidValue);
+    EXPECT_EQ(Argmax(R, V, dl.get(), nullptr, ids.get(), nullptr), cudaErrorInvalidValue);  // no workspace
   }
 }
 
