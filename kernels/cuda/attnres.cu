@@ -2,6 +2,9 @@
 
 #include <cmath>
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
+
 namespace k3::cuda {
 namespace {
 
@@ -22,6 +25,7 @@ __device__ float BlockSum(float v, float* part) {
 __global__ __launch_bounds__(kThreads) void ReadKernel(int64_t d, const float* bank, int64_t bank_stride, int64_t m,
                                                         const float* partial, const float* w, const float* n,
                                                         float eps, float* out) {
+  PdlEnter();
   const int64_t t = blockIdx.x;
   __shared__ float part[kThreads / 32];
   __shared__ float p[kMaxSources + 1];
@@ -55,7 +59,8 @@ cudaError_t AttnResRead(int64_t N, int64_t d, const float* bank, int64_t bank_st
   if (N < 0 || d <= 0 || m < 0 || m > kMaxSources || (m > 0 && !bank) || !partial || !w || !n || !out)
     return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
-  ReadKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(d, bank, bank_stride, m, partial, w, n, eps, out);
+  K3_CUDA_TRY(LaunchKernel(ReadKernel, static_cast<unsigned>(N), kThreads, 0, stream, d, bank, bank_stride, m, partial,
+                           w, n, eps, out));
   return cudaGetLastError();
 }
 

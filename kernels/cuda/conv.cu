@@ -4,6 +4,9 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
+
 namespace k3::cuda {
 namespace {
 
@@ -14,6 +17,7 @@ constexpr int kMaxK = static_cast<int>(kKdaConvMaxK);  // unrolled (Kimi: K = 4)
 // One thread per (token, channel), for any C and K (ConvKernel8 below takes the usual shapes). Grid: (channel
 // blocks, token stride); 32-bit channel math.
 __global__ void ConvKernel(KdaConvArgs a) {
+  PdlEnter();
   const int c = blockIdx.x * kThreads + threadIdx.x, C = static_cast<int>(a.C), K = static_cast<int>(a.K);
   if (c >= C) return;
   const int S = K - 1, third = C / 3, part = c / third;
@@ -56,6 +60,7 @@ __global__ void ConvKernel(KdaConvArgs a) {
 // aligned rows.
 template <int K>
 __global__ void ConvKernel8(KdaConvArgs a) {
+  PdlEnter();
   const int c0 = 8 * (blockIdx.x * kThreads + threadIdx.x), C = static_cast<int>(a.C);
   if (c0 >= C) return;
   const int S = K - 1, third = C / 3, part = c0 / third;
@@ -128,6 +133,7 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // input row T + r − S of the chunk; ascending r reads only rows above r, so the update is in place.
 __global__ void ConvStateKernel(KdaConvArgs a, int num_chunks, const int32_t* ch_start, const int32_t* ch_len,
                                 const int32_t* ch_slot) {
+  PdlEnter();
   const int c = blockIdx.x * kThreads + threadIdx.x, C = static_cast<int>(a.C);
   if (c >= C) return;
   const int S = static_cast<int>(a.K) - 1;
@@ -158,15 +164,21 @@ cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((a.C / 8 + kThreads - 1) / kThreads),
                     static_cast<unsigned>(std::min<int64_t>(a.N, 65535)));
     switch (a.K) {
-      case 2: ConvKernel8<2><<<grid, kThreads, 0, stream>>>(a); break;
-      case 3: ConvKernel8<3><<<grid, kThreads, 0, stream>>>(a); break;
-      default: ConvKernel8<4><<<grid, kThreads, 0, stream>>>(a); break;
+      case 2:
+        K3_CUDA_TRY(LaunchKernel(ConvKernel8<2>, grid, kThreads, 0, stream, a));
+        break;
+      case 3:
+        K3_CUDA_TRY(LaunchKernel(ConvKernel8<3>, grid, kThreads, 0, stream, a));
+        break;
+      default:
+        K3_CUDA_TRY(LaunchKernel(ConvKernel8<4>, grid, kThreads, 0, stream, a));
+        break;
     }
     return cudaGetLastError();
   }
   const dim3 grid(static_cast<unsigned>((a.C + kThreads - 1) / kThreads),
                   static_cast<unsigned>(std::min<int64_t>(a.N, 65535)));
-  ConvKernel<<<grid, kThreads, 0, stream>>>(a);
+  K3_CUDA_TRY(LaunchKernel(ConvKernel, grid, kThreads, 0, stream, a));
   return cudaGetLastError();
 }
 
@@ -178,7 +190,8 @@ cudaError_t KdaConvUpdateState(const KdaConvArgs& a, int64_t num_chunks, const i
   if (a.C > 0x7fffffff || num_chunks > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((a.C + kThreads - 1) / kThreads),
                   static_cast<unsigned>(std::min<int64_t>(num_chunks, 65535)));
-  ConvStateKernel<<<grid, kThreads, 0, stream>>>(a, static_cast<int>(num_chunks), ch_start, ch_len, ch_slot);
+  K3_CUDA_TRY(LaunchKernel(ConvStateKernel, grid, kThreads, 0, stream, a, static_cast<int>(num_chunks), ch_start,
+                           ch_len, ch_slot));
   return cudaGetLastError();
 }
 

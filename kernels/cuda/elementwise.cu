@@ -1,5 +1,8 @@
 #include "kernels/cuda/elementwise.cuh"
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
+
 namespace k3::cuda {
 namespace {
 
@@ -8,6 +11,7 @@ constexpr int kThreads = 256;
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
 __global__ void EmbedKernel(int64_t N, int64_t d, const int32_t* ids, const __nv_bfloat16* table, float* x) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (i >= N * d) return;
   const int64_t n = i / d, c = i % d;
@@ -15,11 +19,13 @@ __global__ void EmbedKernel(int64_t N, int64_t d, const int32_t* ids, const __nv
 }
 
 __global__ void AddKernel(int64_t n, const float* x, float* y) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (i < n) y[i] += x[i];
 }
 
 __global__ void ToSplitKernel(int64_t M, int64_t D, const float* x, int64_t ldx, Split y) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (i >= M * D) return;
   const int64_t m = i / D, c = i % D;
@@ -27,6 +33,7 @@ __global__ void ToSplitKernel(int64_t M, int64_t D, const float* x, int64_t ldx,
 }
 
 __global__ void MulSigmoidKernel(int64_t M, int64_t D, Split o, const float* gate) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (i >= M * D) return;
   const int64_t m = i / D, c = i % D;
@@ -43,6 +50,7 @@ __device__ __forceinline__ uint64_t SplitMix(uint64_t x) {
 
 __global__ void FillRandomKernel(int64_t n, RandomKind kind, float a, float b, uint64_t seed, float* f32,
                                  __nv_bfloat16* bf16) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (i >= n) return;
   const uint64_t r = SplitMix(seed ^ SplitMix(static_cast<uint64_t>(i)));
@@ -75,7 +83,7 @@ cudaError_t FillRandom(int64_t n, RandomKind kind, float a, float b, uint64_t se
                        cudaStream_t stream) {
   if (n < 0 || (f32 == nullptr) == (bf16 == nullptr)) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  FillRandomKernel<<<Blocks(n), kThreads, 0, stream>>>(n, kind, a, b, seed, f32, bf16);
+  K3_CUDA_TRY(LaunchKernel(FillRandomKernel, Blocks(n), kThreads, 0, stream, n, kind, a, b, seed, f32, bf16));
   return cudaGetLastError();
 }
 
@@ -83,28 +91,28 @@ cudaError_t Embed(int64_t N, int64_t d, const int32_t* ids, const __nv_bfloat16*
                   cudaStream_t stream) {
   if (N < 0 || d <= 0 || !ids || !table || !x) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
-  EmbedKernel<<<Blocks(N * d), kThreads, 0, stream>>>(N, d, ids, table, x);
+  K3_CUDA_TRY(LaunchKernel(EmbedKernel, Blocks(N * d), kThreads, 0, stream, N, d, ids, table, x));
   return cudaGetLastError();
 }
 
 cudaError_t AddInto(int64_t n, const float* x, float* y, cudaStream_t stream) {
   if (n < 0 || !x || !y) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  AddKernel<<<Blocks(n), kThreads, 0, stream>>>(n, x, y);
+  K3_CUDA_TRY(LaunchKernel(AddKernel, Blocks(n), kThreads, 0, stream, n, x, y));
   return cudaGetLastError();
 }
 
 cudaError_t ToSplit(int64_t M, int64_t D, const float* x, int64_t ldx, Split y, cudaStream_t stream) {
   if (M < 0 || D <= 0 || !x || !y.p) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  ToSplitKernel<<<Blocks(M * D), kThreads, 0, stream>>>(M, D, x, ldx, y);
+  K3_CUDA_TRY(LaunchKernel(ToSplitKernel, Blocks(M * D), kThreads, 0, stream, M, D, x, ldx, y));
   return cudaGetLastError();
 }
 
 cudaError_t MulSigmoid(int64_t M, int64_t D, Split o, const float* gate, cudaStream_t stream) {
   if (M < 0 || D <= 0 || !o.p || !gate) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  MulSigmoidKernel<<<Blocks(M * D), kThreads, 0, stream>>>(M, D, o, gate);
+  K3_CUDA_TRY(LaunchKernel(MulSigmoidKernel, Blocks(M * D), kThreads, 0, stream, M, D, o, gate));
   return cudaGetLastError();
 }
 

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/ptx.cuh"
 
@@ -71,6 +73,7 @@ constexpr int kPermuteThreads = 256;
 // ------------------------------------------------------------------------------------------ permutation
 
 __global__ void CountPairsKernel(int64_t P, const int32_t* idx, int E, int32_t* counts) {
+  PdlEnter();
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < P; p += int64_t(gridDim.x) * blockDim.x) {
     const int e = idx[p];
     if (e >= 0 && e < E) atomicAdd(counts + e, 1);
@@ -116,6 +119,7 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
                                                                    int32_t* slot_pair, int32_t* pair_slot,
                                                                    int tile_tokens, int2* tiles, int32_t* num_tiles,
                                                                    int32_t* experts_hit) {
+  PdlEnter();
   __shared__ int red[kPermuteThreads / 32];
   const int e = blockIdx.x, tid = threadIdx.x;
   int before = 0, tiles_before = 0, hit_before = 0;
@@ -172,10 +176,12 @@ cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, i
   if (err != cudaSuccess) return err;
   if (P > 0) {
     const int64_t blocks = std::min<int64_t>((P + 255) / 256, 1024);
-    CountPairsKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(P, idx, static_cast<int>(E), counts);
+    K3_CUDA_TRY(LaunchKernel(CountPairsKernel, static_cast<unsigned>(blocks), 256, 0, stream, P, idx,
+                             static_cast<int>(E), counts));
   }
-  FillSlotsKernel<<<static_cast<unsigned>(E), kPermuteThreads, 0, stream>>>(
-      P, idx, static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, num_tiles, experts_hit);
+  K3_CUDA_TRY(LaunchKernel(FillSlotsKernel, static_cast<unsigned>(E), kPermuteThreads, 0, stream, P, idx,
+                           static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, num_tiles,
+                           experts_hit));
   return cudaGetLastError();
 }
 
@@ -205,6 +211,7 @@ __device__ __forceinline__ int Swz(int row, int c) { return row * kBK + ((c ^ (r
 
 template <bool kGlu, class S>
 __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
+  PdlEnter();
   constexpr int kRows = S::kRows, kTokens = S::kTokens, kStages = S::kStages, kThreads = S::kThreads;
   constexpr int kStageElems = S::kStageElems, kOutLd = S::kOutLd;
   // 16-byte token chunks per thread and stage (a 16-row token tile: the first half of the threads, one each)
@@ -337,6 +344,7 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
 // xs[s] = x[slot_pair[s] / k] for s < rows, in 16-byte chunks.
 __global__ void GatherRowsKernel(int64_t rows, int chunks, const int4* x, const int32_t* slot_pair, int top_k,
                                  int4* xs) {
+  PdlEnter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * chunks;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t s = i / chunks, c = i % chunks;
@@ -363,6 +371,7 @@ __device__ __forceinline__ int4 Pack(const float (&f)[8]) {
 // h[s, i] = act(gu[s, i], gu[s, I + i]) for the slots s_begin ≤ s < s_begin + rows, 8 features at a time.
 __global__ void GluRowsKernel(int64_t s_begin, int64_t rows, int chunks, const int4* gu, GluAct act, float b1,
                               float b2, int4* h) {
+  PdlEnter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * chunks;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t s = s_begin + i / chunks, c = i % chunks;
@@ -396,6 +405,7 @@ __device__ __forceinline__ void CombineChunk(int64_t n, int64_t c, int chunks, i
 // out[n] = the combine of token n (bf16 out; split y: fp32 out), 8 columns at a time.
 __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
                               const int4* y, int4* out) {
+  PdlEnter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
        i += int64_t(gridDim.x) * blockDim.x) {
     float acc[8];
@@ -407,6 +417,7 @@ __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* p
 // y_lo_chunks: the lo plane's offset, a whole number of chunks (the planes are [max_pairs, D], D % 8 == 0).
 __global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
                                    const int4* y, int64_t y_lo_chunks, float4* out) {
+  PdlEnter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
        i += int64_t(gridDim.x) * blockDim.x) {
     float acc[8];
@@ -420,6 +431,7 @@ __global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32
 // gathered rows (twice), C = the gate and up halves of its gu rows.
 __global__ void GateUpPointersKernel(int E, const int32_t* offsets, const bf16* const* w1, const bf16* const* w3,
                                      const bf16* xs, bf16* gu, int64_t D, int64_t I, const void** ptrs) {
+  PdlEnter();
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const void** A = ptrs;
@@ -471,13 +483,13 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
   t.src_lo = a.x_lo, t.dst_lo = split ? b.max_pairs * b.I : 0;  // split: h and y keep 16 bits too
   dim3 grid(static_cast<unsigned>((a.I + S::kRows / 2 - 1) / (S::kRows / 2)), static_cast<unsigned>(max_tiles));
-  ExpertTileKernel<true, S><<<grid, S::kThreads, S::kSmem, stream>>>(t);
+  K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<true, S>, grid, S::kThreads, S::kSmem, stream, t));
   // down → y
   t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
   t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
   t.src_lo = t.dst_lo, t.dst_lo = split ? b.max_pairs * b.D : 0;
   grid.x = static_cast<unsigned>((a.D + S::kRows - 1) / S::kRows);
-  ExpertTileKernel<false, S><<<grid, S::kThreads, S::kSmem, stream>>>(t);
+  K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<false, S>, grid, S::kThreads, S::kSmem, stream, t));
   return cudaGetLastError();
 }
 
@@ -505,8 +517,8 @@ cudaError_t RunCublas(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStr
   cudaError_t err = EnsureCublas(b);
   if (err != cudaSuccess) return err;
   // cuBLAS takes the shapes (and here the W2 pointers) on the host.
-  GateUpPointersKernel<<<static_cast<unsigned>((E + 127) / 128), 128, 0, stream>>>(
-      static_cast<int>(E), b.offsets, a.w1, a.w3, b.xs, b.gu, D, I, b.gate_up);
+  K3_CUDA_TRY(LaunchKernel(GateUpPointersKernel, static_cast<unsigned>((E + 127) / 128), 128, 0, stream,
+                           static_cast<int>(E), b.offsets, a.w1, a.w3, b.xs, b.gu, D, I, b.gate_up));
   err = cudaMemcpyAsync(b.counts_host, b.counts, E * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
   if (err == cudaSuccess) err = cudaMemcpyAsync(b.w2_host, a.w2, E * sizeof(bf16*), cudaMemcpyDeviceToHost, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
@@ -526,9 +538,10 @@ cudaError_t RunCublas(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStr
     if (n == 0) break;
     const int q = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     load[q] += n;
-    GatherRowsKernel<<<GridFor(n * chunks_d, 256), 256, 0, b.side[q]>>>(
-        n, chunks_d, reinterpret_cast<const int4*>(a.x), b.slot_pair + off, static_cast<int>(a.top_k),
-        reinterpret_cast<int4*>(b.xs + off * D));
+    err = LaunchKernel(GatherRowsKernel, GridFor(n * chunks_d, 256), 256, 0, b.side[q], n, chunks_d,
+                       reinterpret_cast<const int4*>(a.x), b.slot_pair + off, static_cast<int>(a.top_k),
+                       reinterpret_cast<int4*>(b.xs + off * D));
+    if (err != cudaSuccess) break;
     // Column-major: gu_eᵀ [I, n] (two problems: W1, W3) = W ([D, I] col-major)ᵀ · xs_eᵀ ([D, n]).
     err = Blas(cublasGemmBatchedEx(b.blas[q], CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(I), static_cast<int>(n),
                                    static_cast<int>(D), &one, A + 2 * e, CUDA_R_16BF, static_cast<int>(D),
@@ -536,9 +549,10 @@ cudaError_t RunCublas(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStr
                                    const_cast<void* const*>(A + 4 * E + 2 * e), CUDA_R_16BF, static_cast<int>(2 * I),
                                    2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (err != cudaSuccess) break;
-    GluRowsKernel<<<GridFor(n * chunks_i, 256), 256, 0, b.side[q]>>>(
-        off, n, chunks_i, reinterpret_cast<const int4*>(b.gu), a.act, a.situ_beta, a.situ_linear_beta,
-        reinterpret_cast<int4*>(b.h));
+    err = LaunchKernel(GluRowsKernel, GridFor(n * chunks_i, 256), 256, 0, b.side[q], off, n, chunks_i,
+                       reinterpret_cast<const int4*>(b.gu), a.act, a.situ_beta, a.situ_linear_beta,
+                       reinterpret_cast<int4*>(b.h));
+    if (err != cudaSuccess) break;
     // y_eᵀ [D, n] = W2_e ([I, D] col-major)ᵀ · h_eᵀ ([I, n]).
     err = Blas(cublasGemmEx(b.blas[q], CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(D), static_cast<int>(n),
                             static_cast<int>(I), &one, b.w2_host[e], CUDA_R_16BF, static_cast<int>(I), b.h + off * I,
@@ -637,14 +651,14 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
   if (err != cudaSuccess) return err;
   const int chunks = static_cast<int>(a.D / 8);
   if (split) {
-    CombineSplitKernel<<<GridFor(a.N * chunks, 256), 256, 0, stream>>>(
-        a.N, chunks, static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
-        b.max_pairs * b.D / 8, reinterpret_cast<float4*>(a.out_f32));
+    K3_CUDA_TRY(LaunchKernel(CombineSplitKernel, GridFor(a.N * chunks, 256), 256, 0, stream, a.N, chunks,
+                             static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
+                             b.max_pairs * b.D / 8, reinterpret_cast<float4*>(a.out_f32)));
     return cudaGetLastError();
   }
-  CombineKernel<<<GridFor(a.N * chunks, 256), 256, 0, stream>>>(a.N, chunks, static_cast<int>(a.top_k), b.pair_slot,
-                                                                a.w, reinterpret_cast<const int4*>(b.y),
-                                                                reinterpret_cast<int4*>(a.out));
+  K3_CUDA_TRY(LaunchKernel(CombineKernel, GridFor(a.N * chunks, 256), 256, 0, stream, a.N, chunks,
+                           static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
+                           reinterpret_cast<int4*>(a.out)));
   return cudaGetLastError();
 }
 

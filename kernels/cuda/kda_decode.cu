@@ -6,8 +6,10 @@
 //   u = β (v − S'ᵀk),   S ← S' + k uᵀ,   o = Sᵀq = S'ᵀq + u (k·q),
 // so both reductions over the key dim happen in the same pass over S', and S stays in registers between
 // the read and the write.
+#include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/kda.cuh"
 #include "kernels/cuda/kda_common.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -26,6 +28,7 @@ __device__ __forceinline__ float WarpSum(float x) {
 
 template <int D>
 __global__ __launch_bounds__(kThreads) void KdaDecodeKernel(KdaArgs a) {
+  PdlEnter();
   constexpr int kRows = D / kRowGroups;  // rows of S per thread
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int vb = blockIdx.x % (D / kBV);
@@ -111,9 +114,9 @@ cudaError_t KdaDecode(const KdaArgs& a, int64_t N, cudaStream_t stream) {
   const int64_t blocks = N * a.H * (a.D / kBV);
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   if (a.D == 128)
-    KdaDecodeKernel<128><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    K3_CUDA_TRY(LaunchKernel(KdaDecodeKernel<128>, static_cast<unsigned>(blocks), kThreads, 0, stream, a));
   else
-    KdaDecodeKernel<64><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    K3_CUDA_TRY(LaunchKernel(KdaDecodeKernel<64>, static_cast<unsigned>(blocks), kThreads, 0, stream, a));
   return cudaGetLastError();
 }
 

@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/kda.cuh"
 #include "kernels/cuda/kda_common.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -132,6 +133,7 @@ struct IntraLayout {
 
 template <int D>
 __global__ __launch_bounds__(kThreads, 2) void KdaChunkIntraKernel(KdaArgs a, KdaPrefillBatch batch, Workspace ws) {
+  PdlEnter();
   using L = IntraLayout<D>;
   constexpr int LDX = L::LDX, LDG = L::LDG, LDA = L::LDA, LDM = L::LDM;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -484,6 +486,7 @@ __host__ __device__ constexpr int InterStages() {
 
 template <int D, int BV>
 __global__ __launch_bounds__(kThreads, 1) void KdaChunkInterKernel(KdaArgs a, KdaPrefillBatch batch, Workspace ws) {
+  PdlEnter();
   constexpr int kStages = InterStages<D, BV>();
   using L = InterLayout<D, BV, kStages>;
   constexpr int LDX = L::LDX, LDV = L::LDV, LDM = L::LDM;
@@ -674,7 +677,7 @@ cudaError_t LaunchInter(const KdaArgs& a, const KdaPrefillBatch& b, const Worksp
       cudaFuncSetAttribute(KdaChunkInterKernel<D, BV>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(D / BV, static_cast<unsigned>(a.H), static_cast<unsigned>(b.num_seqs));
-  KdaChunkInterKernel<D, BV><<<grid, kThreads, kBytes, stream>>>(a, b, ws);
+  K3_CUDA_TRY(LaunchKernel(KdaChunkInterKernel<D, BV>, grid, kThreads, kBytes, stream, a, b, ws));
   return cudaGetLastError();
 }
 
@@ -685,8 +688,9 @@ cudaError_t Launch(const KdaArgs& a, const KdaPrefillBatch& b, cudaStream_t stre
     constexpr int kBytes = IntraLayout<D>::kBytes;
     const cudaError_t e = cudaFuncSetAttribute(KdaChunkIntraKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     if (e != cudaSuccess) return e;
-    KdaChunkIntraKernel<D><<<dim3(static_cast<unsigned>(b.num_chunks), static_cast<unsigned>(a.H)), kThreads, kBytes,
-                             stream>>>(a, b, ws);
+    K3_CUDA_TRY(LaunchKernel(KdaChunkIntraKernel<D>,
+                             dim3(static_cast<unsigned>(b.num_chunks), static_cast<unsigned>(a.H)), kThreads, kBytes,
+                             stream, a, b, ws));
     if (const cudaError_t le = cudaGetLastError(); le != cudaSuccess) return le;
   }
   int sms = 0;

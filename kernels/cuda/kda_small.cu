@@ -1,5 +1,8 @@
 #include "kernels/cuda/kda_small.cuh"
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
+
 namespace k3::cuda {
 namespace {
 
@@ -10,6 +13,7 @@ __device__ __forceinline__ float WarpSum(float x) {
 
 // Lane j owns column j of S (S[i][j], i < D) in registers; lanes ≥ D hold zeros and idle through the math.
 __global__ __launch_bounds__(32) void KdaSmallKernel(KdaSmallArgs a) {
+  PdlEnter();
   const int j = threadIdx.x;
   const int64_t ch = blockIdx.x / a.H, h = blockIdx.x % a.H, D = a.D, HD = a.H * D;
   const bool own = j < D;
@@ -65,7 +69,7 @@ cudaError_t KdaSmall(const KdaSmallArgs& a, cudaStream_t stream) {
       (a.gate == KdaGate::kBounded && a.lower_bound > 0.0f))
     return cudaErrorInvalidValue;
   if (a.num_chunks == 0) return cudaSuccess;
-  KdaSmallKernel<<<static_cast<unsigned>(a.num_chunks * a.H), 32, 0, stream>>>(a);
+  K3_CUDA_TRY(LaunchKernel(KdaSmallKernel, static_cast<unsigned>(a.num_chunks * a.H), 32, 0, stream, a));
   return cudaGetLastError();
 }
 

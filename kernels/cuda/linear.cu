@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/ptx.cuh"
 
@@ -53,6 +54,7 @@ __device__ __forceinline__ void Store(const LinearArgs& a, int64_t group, int64_
 
 template <bool kSplitX, int kPass>
 __global__ __launch_bounds__(kThreads, 4) void LinearKernel(const LinearArgs a) {
+  PdlEnter();
   constexpr int kNTiles = kPass / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [kStages][4][kThreads]: conflict-free 16-byte slots
@@ -205,7 +207,7 @@ cudaError_t LaunchPass(const LinearArgs& a, dim3 grid, cudaStream_t stream) {
       LinearKernel<kSplitX, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kPipeBytes));
   if (attr != cudaSuccess) return attr;
   grid.z = static_cast<unsigned>(std::min<int64_t>((a.M + kPass - 1) / kPass, 65535));
-  LinearKernel<kSplitX, kPass><<<grid, kThreads, kPipeBytes, stream>>>(a);
+  K3_CUDA_TRY(LaunchKernel(LinearKernel<kSplitX, kPass>, grid, kThreads, kPipeBytes, stream, a));
   return cudaGetLastError();
 }
 
@@ -275,6 +277,7 @@ constexpr int kFoldCols = 4;
 
 __global__ void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0, int64_t rows,
                            int64_t lo_rows) {
+  PdlEnter();
   const bool glu = a.glu;
   const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
   if (col0 >= cols) return;
@@ -447,7 +450,7 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = 256 * kFoldCols;
     const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
                     static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-    FoldKernel<<<grid, 256, 0, stream>>>(a, C, ldc, r0, rows, split ? rows : 0);
+    K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, 256, 0, stream, a, C, ldc, r0, rows, split ? rows : 0));
     K3_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/ptx.cuh"
 
@@ -28,6 +29,7 @@ size_t Round256(size_t n) { return (n + 255) / 256 * 256; }
 __global__ __launch_bounds__(kThreads) void AppendKernel(MlaDims s, Split c, const float* norm_w, float eps,
                                                           const int32_t* tok_slot, const int32_t* tok_pos,
                                                           __nv_bfloat16* cache, int64_t max_ctx) {
+  PdlEnter();
   const int64_t n = blockIdx.x, cw = s.cw();
   const __nv_bfloat16* src = c.p + n * c.ld;
   __shared__ float part[kThreads / 32];
@@ -50,6 +52,7 @@ __global__ __launch_bounds__(kThreads) void AppendKernel(MlaDims s, Split c, con
 }
 
 __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfloat16* w_ukt) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (i >= s.nh * s.r * s.dn) return;
   const int64_t h = i / (s.r * s.dn), c = i / s.dn % s.r, d = i % s.dn;
@@ -58,6 +61,7 @@ __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfl
 
 // qa[n][h][r + i] = q_r of token n, head h (the absorbed query is [q_nope·W_UK | q_r]).
 __global__ void QrKernel(int64_t N, MlaDims s, Split q, float* qa) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (i >= N * s.nh * s.dr) return;
   const int64_t n = i / (s.nh * s.dr), h = i / s.dr % s.nh, d = i % s.dr;
@@ -103,6 +107,7 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
                                                              int64_t max_ctx, const int32_t* tok_slot,
                                                              const int32_t* tok_pos, float scale, float* part_acc,
                                                              float2* part_ml) {
+  PdlEnter();
   using bf16 = __nv_bfloat16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
@@ -263,6 +268,7 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
 // ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the runs that had rows (l_g > 0), in g order.
 __global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const float* part_acc, const float2* part_ml,
                                                                Split ctx) {
+  PdlEnter();
   const int64_t nh_row = blockIdx.x, n = nh_row / s.nh, h = nh_row % s.nh;
   const float2* ml = part_ml + nh_row * kSplits;
   float M = kNegInf;
@@ -283,6 +289,7 @@ __global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const f
 // Kh [nh][Lp][dqk] = [k_nope | k_r], Vt [nh][dv][Lp] (the value product's weight layout).
 __global__ void ExpandKeysKernel(MlaDims s, int64_t L, int64_t Lp, const float* kvx, const __nv_bfloat16* cache,
                                  __nv_bfloat16* Kh) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x, dqk = s.dqk();
   if (i >= s.nh * Lp * dqk) return;
   const int64_t h = i / (Lp * dqk), j = i / dqk % Lp, c = i % dqk;
@@ -292,6 +299,7 @@ __global__ void ExpandKeysKernel(MlaDims s, int64_t L, int64_t Lp, const float* 
 }
 
 __global__ void ExpandValuesKernel(MlaDims s, int64_t L, int64_t Lp, const float* kvx, __nv_bfloat16* Vt) {
+  PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (i >= s.nh * s.dv * Lp) return;
   const int64_t h = i / (s.dv * Lp), c = i / Lp % s.dv, j = i % Lp;
@@ -301,6 +309,7 @@ __global__ void ExpandValuesKernel(MlaDims s, int64_t L, int64_t Lp, const float
 // One CTA per (query t, head h): causal softmax of scale · S over the visible rows j ≤ P + t, zeros after.
 __global__ __launch_bounds__(kThreads) void SoftmaxKernel(int64_t nh, int64_t Lp, int64_t P, float scale,
                                                            const float* S, Split prob) {
+  PdlEnter();
   const int64_t row = blockIdx.x, t = row / nh, visible = P + t + 1;
   const float* sr = S + row * Lp;
   __nv_bfloat16* pr = prob.p + row * Lp;
@@ -344,14 +353,14 @@ cudaError_t MlaCacheAppend(int64_t N, const MlaDims& s, Split c, const float* no
                            cudaStream_t stream) {
   if (N < 0 || !c.p || !norm_w || !tok_slot || !tok_pos || !cache || s.r <= 0) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
-  AppendKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(s, c, norm_w, eps, tok_slot, tok_pos, cache,
-                                                                   max_ctx);
+  K3_CUDA_TRY(LaunchKernel(AppendKernel, static_cast<unsigned>(N), kThreads, 0, stream, s, c, norm_w, eps, tok_slot,
+                           tok_pos, cache, max_ctx));
   return cudaGetLastError();
 }
 
 cudaError_t MlaTransposeUk(const MlaDims& s, const __nv_bfloat16* kv_b, __nv_bfloat16* w_ukt, cudaStream_t stream) {
   if (!kv_b || !w_ukt) return cudaErrorInvalidValue;
-  TransposeUkKernel<<<Blocks256(s.nh * s.r * s.dn), 256, 0, stream>>>(s, kv_b, w_ukt);
+  K3_CUDA_TRY(LaunchKernel(TransposeUkKernel, Blocks256(s.nh * s.r * s.dn), 256, 0, stream, s, kv_b, w_ukt));
   return cudaGetLastError();
 }
 
@@ -388,7 +397,7 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   la.y = qa, la.ldy = s.nh * s.cw(), la.y_group_stride = s.cw(), la.out = LinearOut::kF32;
   la.groups = s.nh, la.M = N;
   K3_CUDA_TRY(Linear(la, stream));
-  QrKernel<<<Blocks256(N * s.nh * s.dr), 256, 0, stream>>>(N, s, q, qa);
+  K3_CUDA_TRY(LaunchKernel(QrKernel, Blocks256(N * s.nh * s.dr), 256, 0, stream, N, s, q, qa));
   K3_CUDA_TRY(cudaGetLastError());
 
   const size_t smem = DecodeLayout(s.cw()).bytes();
@@ -396,10 +405,11 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
                                                        static_cast<int>(DecodeLayout(kMaxCw).bytes()));
   K3_CUDA_TRY(attr);
   const dim3 grid(static_cast<unsigned>(N * ((s.nh + kHeads - 1) / kHeads)), kSplits);
-  DecodeMmaKernel<<<grid, kThreads, smem, stream>>>(s, qa, cache, max_ctx, tok_slot, tok_pos, scale, part_acc,
-                                                     part_ml);
+  K3_CUDA_TRY(LaunchKernel(DecodeMmaKernel, grid, kThreads, smem, stream, s, qa, cache, max_ctx, tok_slot, tok_pos,
+                           scale, part_acc, part_ml));
   K3_CUDA_TRY(cudaGetLastError());
-  DecodeMergeKernel<<<static_cast<unsigned>(N * s.nh), kThreads, 0, stream>>>(s, part_acc, part_ml, ctx_split);
+  K3_CUDA_TRY(LaunchKernel(DecodeMergeKernel, static_cast<unsigned>(N * s.nh), kThreads, 0, stream, s, part_acc,
+                           part_ml, ctx_split));
   K3_CUDA_TRY(cudaGetLastError());
 
   // out[:, h] = ctx[h] · W_UV[h]ᵀ.
@@ -440,8 +450,8 @@ cudaError_t MlaPrefill(const MlaDims& s, int64_t T, int64_t P, Split q, const __
   le.x = Split{const_cast<__nv_bfloat16*>(cache), s.cw(), 0};
   le.y = kvx, le.ldy = s.nh * s.dkv(), le.out = LinearOut::kF32, le.M = L;
   K3_CUDA_TRY(Linear(le, stream));
-  ExpandKeysKernel<<<Blocks256(s.nh * Lp * s.dqk()), 256, 0, stream>>>(s, L, Lp, kvx, cache, Kh);
-  ExpandValuesKernel<<<Blocks256(s.nh * s.dv * Lp), 256, 0, stream>>>(s, L, Lp, kvx, Vt);
+  K3_CUDA_TRY(LaunchKernel(ExpandKeysKernel, Blocks256(s.nh * Lp * s.dqk()), 256, 0, stream, s, L, Lp, kvx, cache, Kh));
+  K3_CUDA_TRY(LaunchKernel(ExpandValuesKernel, Blocks256(s.nh * s.dv * Lp), 256, 0, stream, s, L, Lp, kvx, Vt));
   K3_CUDA_TRY(cudaGetLastError());
 
   for (int64_t t0 = 0; t0 < T; t0 += Tq) {
@@ -454,7 +464,8 @@ cudaError_t MlaPrefill(const MlaDims& s, int64_t T, int64_t P, Split q, const __
     ls.groups = s.nh, ls.M = tq;
     K3_CUDA_TRY(Linear(ls, stream));
     const Split pr{prob, s.nh * Lp, tq * s.nh * Lp};
-    SoftmaxKernel<<<static_cast<unsigned>(tq * s.nh), kThreads, 0, stream>>>(s.nh, Lp, P + t0, scale, S, pr);
+    K3_CUDA_TRY(LaunchKernel(SoftmaxKernel, static_cast<unsigned>(tq * s.nh), kThreads, 0, stream, s.nh, Lp, P + t0,
+                             scale, S, pr));
     K3_CUDA_TRY(cudaGetLastError());
     // out [tq][nh·dv] = prob_h · V_h, one group per head.
     LinearArgs lv;

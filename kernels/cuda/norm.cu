@@ -1,5 +1,8 @@
 #include "kernels/cuda/norm.cuh"
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
+
 namespace k3::cuda {
 namespace {
 
@@ -28,6 +31,7 @@ template <class T>
 __global__ __launch_bounds__(kRowThreads) void RmsNormKernel(int64_t D, const T* x, int64_t ldx, int64_t x_lo,
                                                               const int32_t* rows, const float* w, float eps,
                                                               Split y) {
+  PdlEnter();
   const int64_t i = blockIdx.x;
   const T* xr = x + (rows ? rows[i] : i) * ldx;
   float ss = 0.0f;
@@ -46,6 +50,7 @@ __global__ __launch_bounds__(kRowThreads) void RmsNormKernel(int64_t D, const T*
 template <class T>
 __global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const T* x, const float* gate,
                                                                 const float* w, float eps, Split y) {
+  PdlEnter();
   const int64_t i = blockIdx.x;
   const T* xr = x + i * D;
   float ss = 0.0f;
@@ -68,15 +73,16 @@ cudaError_t RmsNorm(int64_t M, int64_t D, const float* x, int64_t ldx, const int
                     float eps, Split y, cudaStream_t stream) {
   if (Bad(M, D, x, y)) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  RmsNormKernel<float><<<static_cast<unsigned>(M), kRowThreads, 0, stream>>>(D, x, ldx, 0, rows, w, eps, y);
+  K3_CUDA_TRY(LaunchKernel(RmsNormKernel<float>, static_cast<unsigned>(M), kRowThreads, 0, stream, D, x, ldx, 0, rows,
+                           w, eps, y));
   return cudaGetLastError();
 }
 
 cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Split y, cudaStream_t stream) {
   if (Bad(M, D, x.p, y)) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  RmsNormKernel<__nv_bfloat16><<<static_cast<unsigned>(M), kRowThreads, 0, stream>>>(D, x.p, x.ld, x.lo, nullptr,
-                                                                                     w, eps, y);
+  K3_CUDA_TRY(LaunchKernel(RmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kRowThreads, 0, stream, D, x.p, x.ld,
+                           x.lo, nullptr, w, eps, y));
   return cudaGetLastError();
 }
 
@@ -84,7 +90,8 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const flo
                          Split y, cudaStream_t stream) {
   if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  GatedRmsNormKernel<__nv_bfloat16><<<static_cast<unsigned>(M), kThreads, 0, stream>>>(D, x, gate, w, eps, y);
+  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x, gate,
+                           w, eps, y));
   return cudaGetLastError();
 }
 
@@ -92,7 +99,8 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate
                          cudaStream_t stream) {
   if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  GatedRmsNormKernel<float><<<static_cast<unsigned>(M), kThreads, 0, stream>>>(D, x, gate, w, eps, y);
+  K3_CUDA_TRY(
+      LaunchKernel(GatedRmsNormKernel<float>, static_cast<unsigned>(M), kThreads, 0, stream, D, x, gate, w, eps, y));
   return cudaGetLastError();
 }
 

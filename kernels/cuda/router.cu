@@ -8,6 +8,8 @@
 // four are used up), so k steps cost k warp reductions rather than k passes over all E scores.
 #include <cmath>
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe.cuh"
 
 namespace k3::cuda {
@@ -31,6 +33,7 @@ __device__ __forceinline__ double SigmoidD(float x) { return 1.0 / (1.0 + exp(-s
 
 template <int V>
 __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs a, float qb_scale) {
+  PdlEnter();
   const int lane = threadIdx.x & 31;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kRouterWarps + (threadIdx.x >> 5);
   if (n >= a.N) return;  // the whole warp
@@ -148,7 +151,8 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
 template <int V>
 cudaError_t Launch(const RouterArgs& a, float qb_scale, cudaStream_t stream) {
   const int64_t blocks = (a.N + kRouterWarps - 1) / kRouterWarps;
-  RouteTopKKernel<V><<<static_cast<unsigned>(blocks), kRouterWarps * 32, 0, stream>>>(a, qb_scale);
+  K3_CUDA_TRY(
+      LaunchKernel(RouteTopKKernel<V>, static_cast<unsigned>(blocks), kRouterWarps * 32, 0, stream, a, qb_scale));
   return cudaGetLastError();
 }
 

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cuda/cuda_try.cuh"
+#include "kernels/cuda/launch.cuh"
+
 namespace k3::cuda {
 namespace {
 
@@ -20,6 +23,7 @@ __device__ __forceinline__ uint64_t Key(float v, int64_t c) {
 
 // CTA (row r, span s): the best key of logits [s·kSpan, (s + 1)·kSpan) of row r, folded into keys[r].
 __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float* logits, uint64_t* keys) {
+  PdlEnter();
   const float* row = logits + int64_t{blockIdx.x} * V;
   const int64_t c0 = int64_t{blockIdx.y} * kSpan;
   uint64_t best = 0;
@@ -46,6 +50,7 @@ __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float*
 }
 
 __global__ void KeysToIdsKernel(int64_t R, const uint64_t* keys, int32_t* ids) {
+  PdlEnter();
   const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (r < R) ids[r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
 }
@@ -59,8 +64,8 @@ cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, in
   cudaError_t err = cudaMemsetAsync(keys, 0, R * sizeof(uint64_t), stream);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(R), static_cast<unsigned>((V + kSpan - 1) / kSpan));
-  ArgmaxKernel<<<grid, kThreads, 0, stream>>>(V, logits, keys);
-  KeysToIdsKernel<<<static_cast<unsigned>((R + 255) / 256), 256, 0, stream>>>(R, keys, ids);
+  K3_CUDA_TRY(LaunchKernel(ArgmaxKernel, grid, kThreads, 0, stream, V, logits, keys));
+  K3_CUDA_TRY(LaunchKernel(KeysToIdsKernel, static_cast<unsigned>((R + 255) / 256), 256, 0, stream, R, keys, ids));
   return cudaGetLastError();
 }
 
