@@ -60,29 +60,37 @@ __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfl
 }
 
 // qa[n][h][r + i] = q_r of token n, head h (the absorbed query is [q_nope·W_UK | q_r]).
-__global__ void QrKernel(int64_t N, MlaDims s, Split q, float* qa) {
+// The rope part of the absorbed query: qa[n, h, r:] = q_rope[n, h] (split in, split out).
+__global__ void QrKernel(int64_t N, MlaDims s, Split q, Split qa) {
   PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (i >= N * s.nh * s.dr) return;
   const int64_t n = i / (s.nh * s.dr), h = i / s.dr % s.nh, d = i % s.dr;
-  qa[(n * s.nh + h) * s.cw() + s.r + d] = LoadSplit(q.p + n * q.ld + h * s.dqk() + s.dn + d, q.lo);
+  StoreSplit(qa.p + (n * s.nh + h) * s.cw() + s.r + d, qa.lo, LoadSplit(q.p + n * q.ld + h * s.dqk() + s.dn + d, q.lo));
 }
 
 // Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 16 heads (the MMA's M; heads
-// past nh are zero rows) and one of kSplits contiguous runs of 32-row cache tiles; a merge pass combines the
+// past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass combines the
 // runs. The split is a function of the token's own length only, so a token's result does not depend on the
-// batch. Per tile: S = Q·Cᵀ (warp w: cache rows 8w..8w+7, the query as split hi + lo: two MMAs per
+// batch: runs of at least kTilesPerSplit tiles (a CTA's fixed cost — the query, the partials — is worth a few
+// tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ (warp w: cache rows 8w..8w+7, the query as split hi + lo: two MMAs per
 // cache fragment, so scores keep ~16 bits of q), an online softmax over the 32 scores of each head, then
 // acc += P·C[:, :r] (P as split hi + lo; warp w: column pairs w, w+4, ...). Cache tiles arrive through a
 // two-stage cp.async ring; rows are padded so that the fragment loads are free of bank conflicts.
 constexpr int kHeads = 16;           // heads per CTA: the MMA's M
 constexpr int kRows = 32;            // cache rows per tile: one 8-row n-tile per warp
-constexpr int kSplits = 4;           // CTAs per (token, 16 heads)
+constexpr int kTilesPerSplit = 12;
+constexpr int kMaxSplits = 8;        // CTAs per (token, 16 heads)
 constexpr int kMaxPairs = 8;         // column pairs (16 columns) per warp: r ≤ 4 · 8 · 16 = 512
 constexpr int kPld = kRows + 8;      // P row stride (bf16)
 constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 112 KB, two CTAs per SM
 
 static_assert(2 * kHeads * kPld * sizeof(__nv_bfloat16) >= kHeads * kRows * sizeof(float), "S fits in P's space");
+
+__host__ __device__ inline int64_t Splits(int64_t L) {
+  const int64_t tiles = (L + kRows - 1) / kRows, runs = (tiles + kTilesPerSplit - 1) / kTilesPerSplit;
+  return runs < 1 ? 1 : runs > kMaxSplits ? kMaxSplits : runs;
+}
 
 struct DecodeLayout {
   int cwp, ldc;  // cw rounded up to 16; row stride of Q and cache tiles (bf16), ≡ 8 mod 16
@@ -102,8 +110,9 @@ __device__ __forceinline__ void LoadFragA(uint32_t (&a)[4], const __nv_bfloat16*
   ptx::LdMatrixX4(a, ptx::FragA(tile, ld, 0, k0, lane));
 }
 
-// Partials of run g of (token n, head h): acc [N][nh][kSplits][r] (unnormalized), ml [N][nh][kSplits] {max, sum}.
-__global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const float* qa, const __nv_bfloat16* cache,
+// Partials of run g of (token n, head h): acc [N][nh][kMaxSplits][r] (unnormalized), ml [N][nh][kMaxSplits]
+// {max, sum}. qa: the absorbed query [N][nh][cw], split.
+__global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa, const __nv_bfloat16* cache,
                                                              int64_t max_ctx, const int32_t* tok_slot,
                                                              const int32_t* tok_pos, float scale, float* part_acc,
                                                              float2* part_ml) {
@@ -124,8 +133,9 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
   float* l_s = m_s + kHeads;
   float* corr_s = l_s + kHeads;
 
-  const int64_t L = int64_t{tok_pos[n]} + 1, tiles = (L + kRows - 1) / kRows, per = (tiles + kSplits - 1) / kSplits;
-  const int64_t t_begin = g * per, t_end = min(tiles, t_begin + per);
+  const int64_t L = int64_t{tok_pos[n]} + 1, tiles = (L + kRows - 1) / kRows, splits = Splits(L);
+  if (g >= splits) return;
+  const int64_t per = (tiles + splits - 1) / splits, t_begin = g * per, t_end = min(tiles, t_begin + per);
   const bf16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
   const int chunks = cw / 8;  // 16-byte chunks per cache row
 
@@ -141,18 +151,19 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
     }
     ptx::CpAsyncCommit();
   };
-  if (t_begin < t_end) load_tile(t_begin, 0);
-
-  // Query (hi, lo) of the 16 heads; padding columns of Q and of both cache stages are zeros.
-  for (int h = warp; h < kHeads; h += kThreads / 32) {
-    const float* qrow = qa + (n * s.nh + h0 + h) * cw;
-    for (int c = lane; c < cwp; c += 32) {
-      const float v = h0 + h < s.nh && c < cw ? qrow[c] : 0.0f;
-      const bf16 hi = __float2bfloat16_rn(v);
-      q_s[h * ldc + c] = hi;
-      q_s[(kHeads + h) * ldc + c] = __float2bfloat16_rn(v - __bfloat162float(hi));
+  // The query's hi rows (heads h0..h0+15), then its lo rows, in the first tile's copy group; heads past nh are
+  // zeros, and so are the padding columns of Q and of both cache stages.
+  if (t_begin < t_end) {
+    for (int row = warp; row < 2 * kHeads; row += kThreads / 32) {
+      const int h = row % kHeads;
+      const bool valid = h0 + h < s.nh;
+      const bf16* src = qa.p + (row >= kHeads ? qa.lo : 0) + (n * s.nh + (valid ? h0 + h : 0)) * cw;
+      for (int ch = lane; ch < chunks; ch += 32) ptx::CpAsync16(q_s + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
     }
+    load_tile(t_begin, 0);
   }
+  for (int i = tid; i < 2 * kHeads * (cwp - cw); i += kThreads)
+    q_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
   for (int i = tid; i < 2 * kRows * (cwp - cw); i += kThreads)
     c_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
   if (tid < kHeads) m_s[tid] = kNegInf, l_s[tid] = 0.0f;
@@ -246,7 +257,7 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
   }
 
   // Partials: rows gid / gid + 8 are heads h0 + gid / h0 + gid + 8; columns pair·16 + u·8 + 2tig (+1).
-  const int64_t base = (n * s.nh + h0) * kSplits + g;
+  const int64_t base = (n * s.nh + h0) * kMaxSplits + g;
 #pragma unroll
   for (int pi = 0; pi < kMaxPairs; ++pi) {
     const int pair = warp + 4 * pi;
@@ -255,32 +266,33 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, const flo
     for (int u = 0; u < 2; ++u) {
       const int c = pair * 16 + u * 8 + 2 * tig;
       if (h0 + gid < s.nh)
-        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid} * kSplits) * r + c) =
+        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid} * kMaxSplits) * r + c) =
             make_float2(acc[pi][u][0], acc[pi][u][1]);
       if (h0 + gid + 8 < s.nh)
-        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid + 8} * kSplits) * r + c) =
+        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid + 8} * kMaxSplits) * r + c) =
             make_float2(acc[pi][u][2], acc[pi][u][3]);
     }
   }
-  if (tid < kHeads && h0 + tid < s.nh) part_ml[base + int64_t{tid} * kSplits] = make_float2(m_s[tid], l_s[tid]);
+  if (tid < kHeads && h0 + tid < s.nh) part_ml[base + int64_t{tid} * kMaxSplits] = make_float2(m_s[tid], l_s[tid]);
 }
 
-// ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the runs that had rows (l_g > 0), in g order.
-__global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const float* part_acc, const float2* part_ml,
-                                                               Split ctx) {
+// ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the token's runs that had rows (l_g > 0), in g order.
+__global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const int32_t* tok_pos, const float* part_acc,
+                                                               const float2* part_ml, Split ctx) {
   PdlEnter();
   const int64_t nh_row = blockIdx.x, n = nh_row / s.nh, h = nh_row % s.nh;
-  const float2* ml = part_ml + nh_row * kSplits;
+  const int splits = static_cast<int>(Splits(int64_t{tok_pos[n]} + 1));
+  const float2* ml = part_ml + nh_row * kMaxSplits;
   float M = kNegInf;
-  for (int g = 0; g < kSplits; ++g)
+  for (int g = 0; g < splits; ++g)
     if (ml[g].y > 0.0f) M = fmaxf(M, ml[g].x);
-  float w[kSplits], total = 0.0f;
-  for (int g = 0; g < kSplits; ++g) total += (w[g] = ml[g].y > 0.0f ? expf(ml[g].x - M) : 0.0f) * ml[g].y;
+  float w[kMaxSplits], total = 0.0f;
+  for (int g = 0; g < splits; ++g) total += (w[g] = ml[g].y > 0.0f ? expf(ml[g].x - M) : 0.0f) * ml[g].y;
   const float inv = 1.0f / total;
   for (int64_t c = threadIdx.x; c < s.r; c += kThreads) {
     float o = 0.0f;
-    for (int g = 0; g < kSplits; ++g)
-      if (w[g] > 0.0f) o += w[g] * part_acc[(nh_row * kSplits + g) * s.r + c];
+    for (int g = 0; g < splits; ++g)
+      if (w[g] > 0.0f) o += w[g] * part_acc[(nh_row * kMaxSplits + g) * s.r + c];
     StoreSplit(ctx.p + n * ctx.ld + h * s.r + c, ctx.lo, o * inv);
   }
 }
@@ -370,8 +382,8 @@ bool MlaDecodeSupported(const MlaDims& s) {
 }
 
 size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N) {
-  return Round256(N * s.nh * s.cw() * sizeof(float)) + Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16)) +
-         Round256(N * s.nh * kSplits * s.r * sizeof(float)) + Round256(N * s.nh * kSplits * sizeof(float2));
+  return Round256(2 * N * s.nh * s.cw() * sizeof(__nv_bfloat16)) + Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16)) +
+         Round256(N * s.nh * kMaxSplits * s.r * sizeof(float)) + Round256(N * s.nh * kMaxSplits * sizeof(float2));
 }
 
 cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
@@ -381,12 +393,12 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   if (N < 0 || !workspace) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
   char* ws = static_cast<char*>(workspace);
-  float* qa = reinterpret_cast<float*>(ws);
-  ws += Round256(N * s.nh * s.cw() * sizeof(float));
+  const Split qa{reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.cw(), N * s.nh * s.cw()};
+  ws += Round256(2 * N * s.nh * s.cw() * sizeof(__nv_bfloat16));
   __nv_bfloat16* ctx = reinterpret_cast<__nv_bfloat16*>(ws);
   ws += Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16));
   float* part_acc = reinterpret_cast<float*>(ws);
-  ws += Round256(N * s.nh * kSplits * s.r * sizeof(float));
+  ws += Round256(N * s.nh * kMaxSplits * s.r * sizeof(float));
   float2* part_ml = reinterpret_cast<float2*>(ws);
   const Split ctx_split{ctx, s.nh * s.r, N * s.nh * s.r};
 
@@ -394,7 +406,7 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   LinearArgs la;
   la.N = s.r, la.K = s.dn, la.w = w_ukt, la.w_group_stride = s.r * s.dn;
   la.x = q, la.x_group_stride = s.dqk();
-  la.y = qa, la.ldy = s.nh * s.cw(), la.y_group_stride = s.cw(), la.out = LinearOut::kF32;
+  la.y = qa.p, la.ldy = qa.ld, la.y_lo = qa.lo, la.y_group_stride = s.cw(), la.out = LinearOut::kSplit;
   la.groups = s.nh, la.M = N;
   K3_CUDA_TRY(Linear(la, stream));
   K3_CUDA_TRY(LaunchKernel(QrKernel, Blocks256(N * s.nh * s.dr), 256, 0, stream, N, s, q, qa));
@@ -404,12 +416,12 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   static const cudaError_t attr = cudaFuncSetAttribute(DecodeMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(DecodeLayout(kMaxCw).bytes()));
   K3_CUDA_TRY(attr);
-  const dim3 grid(static_cast<unsigned>(N * ((s.nh + kHeads - 1) / kHeads)), kSplits);
+  const dim3 grid(static_cast<unsigned>(N * ((s.nh + kHeads - 1) / kHeads)), static_cast<unsigned>(Splits(max_ctx)));
   K3_CUDA_TRY(LaunchKernel(DecodeMmaKernel, grid, kThreads, smem, stream, s, qa, cache, max_ctx, tok_slot, tok_pos,
                            scale, part_acc, part_ml));
   K3_CUDA_TRY(cudaGetLastError());
-  K3_CUDA_TRY(LaunchKernel(DecodeMergeKernel, static_cast<unsigned>(N * s.nh), kThreads, 0, stream, s, part_acc,
-                           part_ml, ctx_split));
+  K3_CUDA_TRY(LaunchKernel(DecodeMergeKernel, static_cast<unsigned>(N * s.nh), kThreads, 0, stream, s, tok_pos,
+                           part_acc, part_ml, ctx_split));
   K3_CUDA_TRY(cudaGetLastError());
 
   // out[:, h] = ctx[h] · W_UV[h]ᵀ.

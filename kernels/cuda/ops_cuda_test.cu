@@ -371,8 +371,8 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
     }
 
     // Decode: four sequences in slots 1, 0, 3, 2 of a pool of max_ctx rows, at positions 0, 20, 600 and Ld − 1
-    // of a 1100-row cache (32-row tiles in 4 runs per token: empty runs, one partial tile, runs of 9 tiles).
-    const int64_t Ld = 1100, max_ctx = Ld + 3, N = 4;
+    // of a 3000-row cache (32-row tiles: one partial tile; 2 runs of 10 and 9 tiles; 8 runs, the most, of 12).
+    const int64_t Ld = 3000, max_ctx = Ld + 3, N = 4;
     const MlaProblem pc = MakeMla(s, 1, Ld, 31);
     const std::vector<int32_t> slot = {1, 0, 3, 2}, pos = {0, 20, 600, static_cast<int32_t>(Ld - 1)};
     std::vector<uint16_t> pool(4 * max_ctx * s.cw());
