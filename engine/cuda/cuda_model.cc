@@ -109,6 +109,12 @@ struct CudaModel::Impl {
   ModelConfig c;
   CudaModelOptions opt;
   cudaStream_t stream = nullptr;
+  // Products that only read inputs already made (KDA's f_b and g_b, the shared experts) run on the side stream
+  // beside the latency-bound kernels that follow them here (the conv; the router, top-k and routed experts):
+  // Fork() starts side work after what is queued here, Join() makes this stream wait for it. With its own
+  // LinearBlas: one handle and workspace per stream.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork_event = nullptr, join_event = nullptr;
   std::vector<void*> allocations;
   int64_t allocated = 0;
   // Weights: all but the routed experts; the embedding table; one routed expert.
@@ -129,7 +135,7 @@ struct CudaModel::Impl {
   int64_t cap = 0, win_cols = 0, wide_cols = 0, hidden_cols = 0;
   float *x = nullptr, *hread = nullptr, *bank = nullptr;
   Split a, m, win, onorm, hid, z, zn, qbuf, qan, fn;
-  float *gate = nullptr, *rlogits = nullptr, *wts = nullptr, *moe_out = nullptr;
+  float *gate = nullptr, *rlogits = nullptr, *wts = nullptr, *moe_out = nullptr, *shared_out = nullptr;
   void *graw = nullptr, *bbuf = nullptr, *qc = nullptr, *kc = nullptr, *vc = nullptr, *obuf = nullptr;
   int32_t *idx = nullptr, *ids = nullptr, *hits = nullptr;
   uint64_t* argmax_keys = nullptr;  // Argmax's workspace
@@ -174,6 +180,9 @@ struct CudaModel::Impl {
   ~Impl() {
     for (auto& [shape, exec] : graphs) cudaGraphExecDestroy(exec);
     if (stream) cudaStreamDestroy(stream);
+    if (side) cudaStreamDestroy(side);
+    if (fork_event) cudaEventDestroy(fork_event);
+    if (join_event) cudaEventDestroy(join_event);
     for (void* p : allocations) cudaFree(p);
     cudaFreeHost(meta_host);
   }
@@ -218,14 +227,25 @@ struct CudaModel::Impl {
                    const std::vector<int64_t>& pre_len, const std::vector<int64_t>& pre_pos,
                    const std::vector<int32_t>& pre_slot, const int32_t* const* m);
   absl::Status Moe(int64_t l, int64_t N);
-  absl::Status Glu(const GluW& g, Split in, int64_t N);
+  enum class On { kMain, kSide };
+  // y (out: kF32Add adds into x, kF32 writes y) = down · act(gate_up · in).
+  absl::Status Glu(const GluW& g, Split in, int64_t N, float* y, LinearOut out, On on);
 
-  LinearBlas blas;  // every dense product
+  cudaError_t Fork() {
+    const cudaError_t e = cudaEventRecord(fork_event, stream);
+    return e == cudaSuccess ? cudaStreamWaitEvent(side, fork_event) : e;
+  }
+  cudaError_t Join() {
+    const cudaError_t e = cudaEventRecord(join_event, side);
+    return e == cudaSuccess ? cudaStreamWaitEvent(stream, join_event) : e;
+  }
+
+  LinearBlas blas, blas_side;  // the dense products, on the stream and on the side stream
   cudaError_t Lin(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
-                  int64_t y_lo = 0) {
+                  int64_t y_lo = 0, On on = On::kMain) {
     LinearArgs la;
     la.N = n, la.K = k, la.w = w, la.x = in, la.y = y, la.ldy = ldy, la.y_lo = y_lo, la.out = out, la.M = M;
-    return blas.Run(la, stream);
+    return on == On::kSide ? blas_side.Run(la, side) : blas.Run(la, stream);
   }
   cudaError_t LinSplit(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, Split y) {
     return Lin(w, n, k, in, M, y.p, y.ld, LinearOut::kSplit, y.lo);
@@ -599,6 +619,14 @@ absl::Status CudaModel::Impl::AllocWork() {
   int64_t widest = std::max({c.vocab_size, 2 * hidden_cols, win_cols, c.num_experts, HD, ov, d});
   int64_t deepest = std::max({d, HD, ov, hidden_cols, c.expert_width(), c.q_lora_rank});
   K3_CUDA_OK(blas.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), widest, deepest)));
+  // The side stream's products: the KDA gates (f_b, g_b, b or the full-rank g) and the shared experts.
+  K3_CUDA_OK(blas_side.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), std::max({2 * hidden_cols, HD, d}),
+                                                       std::max({d, hidden_cols, c.kda_head_dim}))));
+  bool any_shared = false;
+  for (const LayerW& w : layers) any_shared = any_shared || w.moe.shared.gate_up;
+  if (any_shared) {
+    K3_ASSIGN_OR_RETURN(shared_out, Alloc<float>(N * d));
+  }
   K3_ASSIGN_OR_RETURN(hits, Alloc<int32_t>(L));
   K3_CUDA_OK(cudaMemset(hits, 0, L * sizeof(int32_t)));
   K3_ASSIGN_OR_RETURN(ids, Alloc<int32_t>(N));
@@ -616,13 +644,13 @@ absl::Status CudaModel::Impl::AllocWork() {
 
 // ----------------------------------------------------------------------------------------------- forward
 
-absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N) {
+absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N, float* y, LinearOut out, On on) {
   LinearArgs la;
   la.N = 2 * g.I, la.K = c.hidden_size, la.w = g.gate_up, la.x = in;
   la.y = hid.p, la.ldy = hid.ld, la.y_lo = hid.lo, la.out = LinearOut::kSplit, la.M = N;
   la.glu = true, la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
-  K3_CUDA_OK(blas.Run(la, stream));
-  K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, x, c.hidden_size, LinearOut::kF32Add));
+  K3_CUDA_OK(on == On::kSide ? blas_side.Run(la, side) : blas.Run(la, stream));
+  K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, y, c.hidden_size, out, 0, on));
   return absl::OkStatus();
 }
 
@@ -637,12 +665,14 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   const LinearOut raw = tuned ? LinearOut::kBf16 : LinearOut::kF32;
   std::optional<Phase> phase(std::in_place, *this, "kda.proj");
   K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
-  K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw));
-  if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw));
+  // The gate products on the side stream, beside the conv; joined before the core.
+  K3_CUDA_OK(Fork());
+  K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
+  if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw, 0, On::kSide));
   if (c.kda_full_rank_gate) {
-    K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32));
+    K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32, 0, On::kSide));
   } else {
-    K3_CUDA_OK(Lin(w.g_b, HD, D, win.Cols(3 * HD + D), N, gate, HD, LinearOut::kF32));
+    K3_CUDA_OK(Lin(w.g_b, HD, D, win.Cols(3 * HD + D), N, gate, HD, LinearOut::kF32, 0, On::kSide));
   }
 
   phase.emplace(*this, "kda.conv");
@@ -652,6 +682,7 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   ca.out[0] = qc, ca.out[1] = kc, ca.out[2] = vc, ca.out_bf16 = tuned, ca.decode_tokens = nd;
   K3_CUDA_OK(KdaConv(ca, stream));  // also advances the decode tokens' states: the chunks after them remain
   K3_CUDA_OK(KdaConvUpdateState(ca, np, md[kChStart] + nd, md[kChLen] + nd, md[kChSlot] + nd, stream));
+  K3_CUDA_OK(Join());
 
   const KdaGate gk = c.kda_gate_bounded ? KdaGate::kBounded : KdaGate::kSoftplus;
   phase.emplace(*this, "kda.core");
@@ -735,6 +766,13 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
 absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   const MoeW& w = layers[l].moe;
   const int64_t d = c.hidden_size, E = c.num_experts, k = c.top_k, X = c.expert_width();
+  if (experts == &local_experts && !opt.routed_experts)
+    return absl::FailedPreconditionError("the routed experts are not loaded here and no expert executor is set");
+  // The shared experts read m too: on the side stream, beside everything up to the routed sum; added after it.
+  if (w.shared.gate_up) {
+    K3_CUDA_OK(Fork());
+    K3_RETURN_IF_ERROR(Glu(w.shared, m, N, shared_out, LinearOut::kF32, On::kSide));
+  }
   // Front: router, top-k, latent down-projection.
   std::optional<Phase> phase(std::in_place, *this, "moe.router");
   K3_CUDA_OK(Lin(w.router, E, d, m, N, rlogits, E, LinearOut::kF32));
@@ -750,8 +788,6 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   }
   // The routed experts, wherever they are.
   phase.emplace(*this, "moe.experts");
-  if (experts == &local_experts && !opt.routed_experts)
-    return absl::FailedPreconditionError("the routed experts are not loaded here and no expert executor is set");
   K3_RETURN_IF_ERROR(experts->Run(CudaExpertRequest{l, N, X, k, rows, idx, wts}, moe_out, stream));
   // Back: latent norm + up-projection (or the plain sum), shared experts.
   phase.emplace(*this, "moe.back");
@@ -765,7 +801,10 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   } else {
     K3_CUDA_OK(AddInto(N * d, moe_out, x, stream));
   }
-  if (w.shared.gate_up) K3_RETURN_IF_ERROR(Glu(w.shared, m, N));
+  if (w.shared.gate_up) {
+    K3_CUDA_OK(Join());
+    K3_CUDA_OK(AddInto(N * d, shared_out, x, stream));  // the same sum as the product's own kF32Add
+  }
   return absl::OkStatus();
 }
 
@@ -905,7 +944,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
       phase.reset();
       if (c.mlp[l] == Mlp::kDense) {
         Phase p(*this, "dense");
-        K3_RETURN_IF_ERROR(Glu(w.dense, m, N));
+        K3_RETURN_IF_ERROR(Glu(w.dense, m, N, x, LinearOut::kF32Add, On::kMain));
       } else {
         K3_RETURN_IF_ERROR(Moe(l, N));
       }
@@ -979,6 +1018,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   impl->opt = options;
   K3_CUDA_OK(cudaSetDevice(options.device));
   K3_CUDA_OK(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  K3_CUDA_OK(cudaStreamCreateWithFlags(&impl->side, cudaStreamNonBlocking));
+  K3_CUDA_OK(cudaEventCreateWithFlags(&impl->fork_event, cudaEventDisableTiming));
+  K3_CUDA_OK(cudaEventCreateWithFlags(&impl->join_event, cudaEventDisableTiming));
   K3_RETURN_IF_ERROR(impl->Upload(source));
   K3_RETURN_IF_ERROR(impl->AllocState());
   K3_RETURN_IF_ERROR(impl->AllocWork());
