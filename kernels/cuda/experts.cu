@@ -35,6 +35,7 @@ struct MoeWorkspace::Buffers {
   int32_t* slot_pair = nullptr;  // [P]
   int32_t* pair_slot = nullptr;  // [P]
   int2* tiles = nullptr;         // [E + P / 8]: {expert, first slot}
+  int32_t* tile_done = nullptr;  // [E + P / 8]: gate/up CTAs finished, per tile
   int32_t* num_tiles = nullptr;  // [1]
   bf16* h = nullptr;             // [P, I]
   bf16* y = nullptr;             // [P, D]
@@ -117,8 +118,8 @@ __device__ int BlockExclusiveScan(int v, int* red, int* total) {
 __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, const int32_t* idx, int E,
                                                                    const int32_t* counts, int32_t* offsets,
                                                                    int32_t* slot_pair, int32_t* pair_slot,
-                                                                   int tile_tokens, int2* tiles, int32_t* num_tiles,
-                                                                   int32_t* experts_hit) {
+                                                                   int tile_tokens, int2* tiles, int32_t* tile_done,
+                                                                   int32_t* num_tiles, int32_t* experts_hit) {
   PdlEnter();
   __shared__ int red[kPermuteThreads / 32];
   const int e = blockIdx.x, tid = threadIdx.x;
@@ -143,7 +144,10 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
     }
   }
   if (tiles)
-    for (int t = tid; t < my_tiles; t += kPermuteThreads) tiles[tile0 + t] = make_int2(e, start + t * tile_tokens);
+    for (int t = tid; t < my_tiles; t += kPermuteThreads) {
+      tiles[tile0 + t] = make_int2(e, start + t * tile_tokens);
+      tile_done[tile0 + t] = 0;
+    }
 
   int base = start;
   for (int64_t p0 = 0; p0 < P && base < start + count; p0 += 4 * kPermuteThreads) {
@@ -169,8 +173,8 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
 }
 
 cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, int32_t* offsets, int32_t* slot_pair,
-                    int32_t* pair_slot, int tile_tokens, int2* tiles, int32_t* num_tiles, int32_t* experts_hit,
-                    cudaStream_t stream) {
+                    int32_t* pair_slot, int tile_tokens, int2* tiles, int32_t* tile_done, int32_t* num_tiles,
+                    int32_t* experts_hit, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(counts, 0, E * sizeof(int32_t), stream);
   if (err == cudaSuccess && P > 0) err = cudaMemsetAsync(pair_slot, 0xff, P * sizeof(int32_t), stream);  // −1
   if (err != cudaSuccess) return err;
@@ -180,8 +184,8 @@ cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, i
                              static_cast<int>(E), counts));
   }
   K3_CUDA_TRY(LaunchKernel(FillSlotsKernel, static_cast<unsigned>(E), kPermuteThreads, 0, stream, P, idx,
-                           static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, num_tiles,
-                           experts_hit));
+                           static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, tile_done,
+                           num_tiles, experts_hit));
   return cudaGetLastError();
 }
 
@@ -197,6 +201,8 @@ struct TileArgs {
   const int32_t* slot_pair;     // gate/up: row of slot s is slot_pair[s] / top_k; down: null, row = s
   int top_k;
   const int2* tiles;
+  int32_t* tile_done;           // gate/up: counts its CTAs per tile; down: waits for all of them (done_target)
+  int done_target;
   const int32_t* num_tiles;
   const int32_t* offsets;
   bf16* dst;                    // [P, M]
@@ -209,9 +215,22 @@ struct TileArgs {
 // eight rows at one logical chunk hit eight different bank groups.
 __device__ __forceinline__ int Swz(int row, int c) { return row * kBK + ((c ^ (row & 7)) << 3); }
 
+// Gate/up (kGlu) then down, back to back. The down CTAs of a token tile start as soon as that tile's gate/up
+// CTAs are done (a counter per tile) rather than when all are: the down kernel, launched early (PDL), fills the
+// SMs that the gate/up kernel's last wave leaves idle.
 template <bool kGlu, class S>
 __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
-  PdlEnter();
+  if (kGlu) {
+    PdlEnter();
+  } else {
+    PdlTrigger();  // what it reads besides h was written before the gate/up kernel started
+    if (static_cast<int>(blockIdx.y) < *a.num_tiles && threadIdx.x == 0) {
+      const int32_t* done = a.tile_done + blockIdx.y;
+      while (*reinterpret_cast<const volatile int32_t*>(done) < a.done_target) __nanosleep(256);
+      __threadfence();
+    }
+    __syncthreads();
+  }
   constexpr int kRows = S::kRows, kTokens = S::kTokens, kStages = S::kStages, kThreads = S::kThreads;
   constexpr int kStageElems = S::kStageElems, kOutLd = S::kOutLd;
   // 16-byte token chunks per thread and stage (a 16-row token tile: the first half of the threads, one each)
@@ -336,6 +355,11 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     const bf16 hi = __float2bfloat16(v);
     d[0] = hi;
     if (a.dst_lo) d[a.dst_lo] = __float2bfloat16(v - __bfloat162float(hi));
+  }
+  if (kGlu) {  // this tile's h columns are out
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(a.tile_done + blockIdx.y, 1);
   }
 }
 
@@ -476,7 +500,7 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   if (max_tiles > 65535) return cudaErrorInvalidValue;
   TileArgs t{};
   t.top_k = static_cast<int>(a.top_k);
-  t.tiles = b.tiles, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
+  t.tiles = b.tiles, t.tile_done = b.tile_done, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
   t.act = a.act, t.beta1 = a.situ_beta, t.beta2 = a.situ_linear_beta;
   // gate/up → h
   t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
@@ -485,7 +509,7 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   dim3 grid(static_cast<unsigned>((a.I + S::kRows / 2 - 1) / (S::kRows / 2)), static_cast<unsigned>(max_tiles));
   K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<true, S>, grid, S::kThreads, S::kSmem, stream, t));
   // down → y
-  t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
+  t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D), t.done_target = static_cast<int>(grid.x);
   t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
   t.src_lo = t.dst_lo, t.dst_lo = split ? b.max_pairs * b.D : 0;
   grid.x = static_cast<unsigned>((a.D + S::kRows - 1) / S::kRows);
@@ -590,8 +614,8 @@ void MoeWorkspace::Buffers::FreeCublas() {
 void MoeWorkspace::Buffers::Free() {
   FreeCublas();
   for (void* p : {static_cast<void*>(counts), static_cast<void*>(offsets), static_cast<void*>(slot_pair),
-                  static_cast<void*>(pair_slot), static_cast<void*>(tiles), static_cast<void*>(num_tiles),
-                  static_cast<void*>(h), static_cast<void*>(y)})
+                  static_cast<void*>(pair_slot), static_cast<void*>(tiles), static_cast<void*>(tile_done),
+                  static_cast<void*>(num_tiles), static_cast<void*>(h), static_cast<void*>(y)})
     cudaFree(p);
   *this = Buffers{};
 }
@@ -613,6 +637,7 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   if (err == cudaSuccess) err = cudaMalloc(&b.slot_pair, Pc * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.pair_slot, Pc * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.tiles, (E + P / (SmallTile::kTokens / 2) + 1) * sizeof(int2));
+  if (err == cudaSuccess) err = cudaMalloc(&b.tile_done, (E + P / (SmallTile::kTokens / 2) + 1) * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.num_tiles, sizeof(int32_t));
   // h and y with a second plane for the split path.
   if (err == cudaSuccess) err = cudaMalloc(&b.h, 2 * Pc * std::max<int64_t>(I, 1) * sizeof(bf16));
@@ -626,7 +651,7 @@ cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_expert
   if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > 0x7fffffff)
     return cudaErrorInvalidValue;
   return Permute(num_pairs, idx, num_experts, counts, offsets, slot_pair, pair_slot, Tile::kTokens, nullptr, nullptr,
-                 nullptr, stream);
+                 nullptr, nullptr, stream);
 }
 
 cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, cudaStream_t stream) {
@@ -645,7 +670,8 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
   const bool tiled = gemm == MoeGemm::kTiled, small = split && P <= kSmallTileMaxPairsPerExpert * E;
   const int tile_tokens = small ? SmallTile::kTokens / 2 : split ? Tile::kTokens / 2 : Tile::kTokens;
   cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, tile_tokens,
-                            tiled ? b.tiles : nullptr, tiled ? b.num_tiles : nullptr, a.experts_hit, stream);
+                            tiled ? b.tiles : nullptr, b.tile_done, tiled ? b.num_tiles : nullptr, a.experts_hit,
+                            stream);
   if (err == cudaSuccess)
     err = !tiled ? RunCublas(a, b, stream) : small ? RunTiled<SmallTile>(a, b, stream) : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;

@@ -5,7 +5,9 @@
 // visible: the launch latency hides behind the previous kernel's work. Stream order and CUDA graph capture
 // (programmatic edges) are kept.
 //
-// The contract: a kernel launched with LaunchKernel() calls PdlEnter() before its first global memory access.
+// The contract: a kernel launched with LaunchKernel() calls PdlEnter() before its first global memory access,
+// or PdlTrigger() and its own finer wait on flags that the kernel before it sets (it may only read what the
+// kernels before that one wrote: those finished before the previous kernel passed its PdlEnter()).
 // Kernels launched otherwise (cuBLAS, memsets) wait for full completion as usual; PdlEnter() in a kernel
 // that was not launched with the attribute returns at once.
 //
@@ -20,11 +22,17 @@
 
 namespace k3::cuda {
 
+__device__ __forceinline__ void PdlTrigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void PdlEnter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+  PdlTrigger();
 }
 
 inline bool PdlEnabled() {
