@@ -138,7 +138,7 @@ struct CudaModel::Impl {
   float *gate = nullptr, *rlogits = nullptr, *wts = nullptr, *moe_out = nullptr, *shared_out = nullptr;
   void *graw = nullptr, *bbuf = nullptr, *qc = nullptr, *kc = nullptr, *vc = nullptr, *obuf = nullptr;
   int32_t *idx = nullptr, *ids = nullptr, *hits = nullptr;
-  uint64_t* argmax_keys = nullptr;  // Argmax's workspace
+  uint64_t* argmax_keys = nullptr;  // each logit row's greedy key, folded by the LM head's product
   void* mla_decode_ws = nullptr;
   // Grown on demand.
   void* scratch = nullptr;  // KDA prefill and MLA prefill workspaces (used one at a time)
@@ -953,7 +953,12 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
     K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
     if (R > 0) {
       K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, fn, stream));
-      K3_CUDA_OK(Lin(lm_head, V, d, fn, R, logits, V, LinearOut::kF32));
+      // The logits, and each row's greedy pick folded on the way (ForwardGreedy reads the keys).
+      K3_CUDA_OK(cudaMemsetAsync(argmax_keys, 0, R * sizeof(uint64_t), stream));
+      LinearArgs la;
+      la.N = V, la.K = d, la.w = lm_head, la.x = fn, la.y = logits, la.ldy = V, la.out = LinearOut::kF32, la.M = R;
+      la.argmax_keys = argmax_keys;
+      K3_CUDA_OK(blas.Run(la, stream));
     }
     return absl::OkStatus();
   };
@@ -1098,7 +1103,7 @@ absl::Status CudaModel::ForwardGreedy(std::span<const GpuChunk> chunks, std::vec
   ids->resize(R);
   if (R > 0) {
     Phase p(m, "argmax");
-    K3_CUDA_OK(Argmax(R, m.c.vocab_size, m.logits, m.argmax_keys, m.ids, m.stream));
+    K3_CUDA_OK(ArgmaxIds(R, m.argmax_keys, m.ids, m.stream));
     K3_CUDA_OK(cudaMemcpyAsync(ids->data(), m.ids, R * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
   }
   K3_CUDA_OK(cudaStreamSynchronize(m.stream));

@@ -70,16 +70,9 @@ struct TileShape {
 };
 
 constexpr int kPermuteThreads = 256;
+constexpr int64_t kMaxPermuteExperts = 8192;  // the permutation's histogram: 32 KB of shared memory
 
 // ------------------------------------------------------------------------------------------ permutation
-
-__global__ void CountPairsKernel(int64_t P, const int32_t* idx, int E, int32_t* counts) {
-  PdlEnter();
-  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < P; p += int64_t(gridDim.x) * blockDim.x) {
-    const int e = idx[p];
-    if (e >= 0 && e < E) atomicAdd(counts + e, 1);
-  }
-}
 
 // Sum over the block (kPermuteThreads), returned to every thread.
 __device__ int BlockSum(int v, int* red) {
@@ -112,30 +105,45 @@ __device__ int BlockExclusiveScan(int v, int* red, int* total) {
   return before + x - v;
 }
 
-// Block e: its segment start (the counts before it), its tiles, then the stable compaction of its pairs:
-// thread t of a 4·256-pair window owns pairs 4t..4t+3, so an exclusive scan in thread order keeps pair order.
-// The last block, which reads every count before its own, also writes the totals (tiles, experts hit).
+// Block e counts every expert's pairs itself (a histogram in shared memory: the pairs are read once per block
+// anyway, and there are no counters to zero nor a count kernel before it), then takes its segment start (the
+// counts before it) and its tiles, then compacts its pairs stably: thread t of a 4·256-pair window owns pairs
+// 4t..4t+3, so an exclusive scan in thread order keeps pair order. Block 0 marks the pairs routed nowhere; the
+// last block, which sums every count before its own, writes the totals (tiles, experts hit).
 __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, const int32_t* idx, int E,
-                                                                   const int32_t* counts, int32_t* offsets,
+                                                                   int32_t* counts, int32_t* offsets,
                                                                    int32_t* slot_pair, int32_t* pair_slot,
                                                                    int tile_tokens, int2* tiles, int32_t* tile_done,
                                                                    int32_t* num_tiles, int32_t* experts_hit) {
   PdlEnter();
+  extern __shared__ int hist[];  // [E]
   __shared__ int red[kPermuteThreads / 32];
   const int e = blockIdx.x, tid = threadIdx.x;
+  for (int i = tid; i < E; i += kPermuteThreads) hist[i] = 0;
+  __syncthreads();
+  for (int64_t p = tid; p < P; p += kPermuteThreads) {
+    const int ep = idx[p];
+    if (ep >= 0 && ep < E) {
+      atomicAdd(hist + ep, 1);
+    } else if (e == 0) {
+      pair_slot[p] = -1;
+    }
+  }
+  __syncthreads();
   int before = 0, tiles_before = 0, hit_before = 0;
   for (int i = tid; i < e; i += kPermuteThreads) {
-    const int c = counts[i];
+    const int c = hist[i];
     before += c;
     tiles_before += (c + tile_tokens - 1) / tile_tokens;
     hit_before += c > 0;
   }
   const int start = BlockSum(before, red);
   const int tile0 = BlockSum(tiles_before, red);
-  const int count = counts[e], my_tiles = (count + tile_tokens - 1) / tile_tokens;
+  const int count = hist[e], my_tiles = (count + tile_tokens - 1) / tile_tokens;
   const bool last = e == E - 1;
   const int hit0 = last && experts_hit ? BlockSum(hit_before, red) : 0;  // uniform over the block
   if (tid == 0) {
+    counts[e] = count;
     offsets[e] = start;
     if (last) {
       offsets[E] = start + count;
@@ -175,15 +183,8 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
 cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, int32_t* offsets, int32_t* slot_pair,
                     int32_t* pair_slot, int tile_tokens, int2* tiles, int32_t* tile_done, int32_t* num_tiles,
                     int32_t* experts_hit, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(counts, 0, E * sizeof(int32_t), stream);
-  if (err == cudaSuccess && P > 0) err = cudaMemsetAsync(pair_slot, 0xff, P * sizeof(int32_t), stream);  // −1
-  if (err != cudaSuccess) return err;
-  if (P > 0) {
-    const int64_t blocks = std::min<int64_t>((P + 255) / 256, 1024);
-    K3_CUDA_TRY(LaunchKernel(CountPairsKernel, static_cast<unsigned>(blocks), 256, 0, stream, P, idx,
-                             static_cast<int>(E), counts));
-  }
-  K3_CUDA_TRY(LaunchKernel(FillSlotsKernel, static_cast<unsigned>(E), kPermuteThreads, 0, stream, P, idx,
+  if (E > kMaxPermuteExperts) return cudaErrorInvalidValue;
+  K3_CUDA_TRY(LaunchKernel(FillSlotsKernel, static_cast<unsigned>(E), kPermuteThreads, E * sizeof(int), stream, P, idx,
                            static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, tile_done,
                            num_tiles, experts_hit));
   return cudaGetLastError();
@@ -648,7 +649,7 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
 
 cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts, int32_t* offsets,
                        int32_t* slot_pair, int32_t* pair_slot, cudaStream_t stream) {
-  if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > 0x7fffffff)
+  if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > kMaxPermuteExperts)
     return cudaErrorInvalidValue;
   return Permute(num_pairs, idx, num_experts, counts, offsets, slot_pair, pair_slot, Tile::kTokens, nullptr, nullptr,
                  nullptr, nullptr, stream);

@@ -14,6 +14,7 @@
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/sampling.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -271,47 +272,73 @@ __device__ __forceinline__ void Store4(const LinearArgs& a, int64_t row, int64_t
   if (a.out == LinearOut::kSplit) *reinterpret_cast<uint2*>(p + a.y_lo) = *reinterpret_cast<const uint2*>(lo);
 }
 
-// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none). A thread takes four
-// columns (16-byte loads of C when the columns allow). Grid: (column blocks, row stride).
 constexpr int kFoldCols = 4;
 
-__global__ void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0, int64_t rows,
-                           int64_t lo_rows) {
+// Row r of y at columns col0..col0 + 3 at columns col0..col0 + 3; returns their best argmax key.
+__device__ __forceinline__ uint64_t FoldRow(const LinearArgs& a, const float* c, int64_t ldc, int64_t r,
+                                           int64_t lo_rows, int64_t col0, int64_t cols, bool vec, bool store4) {
+  float g[kFoldCols], u[kFoldCols];
+  auto load = [&](int64_t j, float (&v)[kFoldCols]) {
+    if (vec) {
+      const float4 h = *reinterpret_cast<const float4*>(c + j);
+      v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
+      if (lo_rows) {
+        const float4 l = *reinterpret_cast<const float4*>(c + lo_rows * ldc + j);
+        v[0] += l.x, v[1] += l.y, v[2] += l.z, v[3] += l.w;
+      }
+    } else {
+      for (int q = 0; q < kFoldCols; ++q)
+        v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
+    }
+  };
+  load(col0, g);
+  if (a.glu) {
+    load(col0 + a.N / 2, u);
+#pragma unroll
+    for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
+  }
+  if (vec && store4) {
+    Store4(a, r, col0, g);
+  } else {
+    for (int q = 0; q < kFoldCols; ++q)
+      if (col0 + q < cols) Store(a, 0, r, col0 + q, g[q]);
+  }
+  uint64_t best = 0;
+  if (a.argmax_keys)
+    for (int q = 0; q < kFoldCols; ++q)
+      if (col0 + q < cols) best = max(best, ArgmaxKey(g[q], col0 + q));
+  return best;
+}
+
+constexpr int kFoldThreads = 256;
+
+// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none). A thread takes four
+// columns (16-byte loads of C when the columns allow). Grid: (column blocks, row stride).
+__global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0,
+                                                          int64_t rows, int64_t lo_rows) {
   PdlEnter();
   const bool glu = a.glu;
   const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
-  if (col0 >= cols) return;
+  if (col0 >= cols && !a.argmax_keys) return;  // (with argmax keys every thread takes part in the CTA's max)
   // float4 loads need every row, the lo plane and the up half on 16 bytes (ldc is a multiple of 8); 4-column
   // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
   const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
+  __shared__ uint64_t warp_best[kFoldThreads / 32];
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
-    const float* c = C + i * ldc;
-    float g[kFoldCols], u[kFoldCols];
-    auto load = [&](int64_t j, float (&v)[kFoldCols]) {
-      if (vec) {
-        const float4 h = *reinterpret_cast<const float4*>(c + j);
-        v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
-        if (lo_rows) {
-          const float4 l = *reinterpret_cast<const float4*>(c + lo_rows * ldc + j);
-          v[0] += l.x, v[1] += l.y, v[2] += l.z, v[3] += l.w;
-        }
-      } else {
-        for (int q = 0; q < kFoldCols; ++q)
-          v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
+    if (a.argmax_keys) {  // this CTA's best of row i, then one integer max into the row's key
+      uint64_t best = 0;
+      if (col0 < cols) best = FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4);
+      for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+      if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        for (int w = 1; w < kFoldThreads / 32; ++w) best = max(best, warp_best[w]);
+        atomicMax(reinterpret_cast<unsigned long long*>(a.argmax_keys + r0 + i), static_cast<unsigned long long>(best));
       }
-    };
-    load(col0, g);
-    if (glu) load(col0 + a.N / 2, u);
-    if (glu) {
-#pragma unroll
-      for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
-    }
-    if (vec && store4) {
-      Store4(a, r0 + i, col0, g);
+      __syncthreads();
     } else {
-      for (int q = 0; q < kFoldCols; ++q)
-        if (col0 + q < cols) Store(a, 0, r0 + i, col0 + q, g[q]);
+      FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4);
     }
   }
 }
@@ -322,6 +349,7 @@ cudaError_t Lt(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuc
 
 cudaError_t Linear(const LinearArgs& a, cudaStream_t stream) {
   K3_CUDA_TRY(Check(a));
+  if (a.argmax_keys) return cudaErrorInvalidValue;  // LinearBlas's fold only
   if (a.M == 0) return cudaSuccess;
   return a.x.lo != 0 ? Launch<true>(a, stream) : Launch<false>(a, stream);
 }
@@ -416,7 +444,7 @@ cudaError_t LinearBlas::Init(size_t bytes) {
 cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
   State& s = *s_;
   K3_CUDA_TRY(Check(a));
-  if (a.groups != 1 || !s.lt) return cudaErrorInvalidValue;
+  if (a.groups != 1 || !s.lt || (a.argmax_keys && (a.glu || a.out != LinearOut::kF32))) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const bool split = a.x.lo != 0;
   const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N);
@@ -447,10 +475,10 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, l, &algo));
     K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
                                   kLtWorkspace, stream)));
-    const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = 256 * kFoldCols;
+    const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
     const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
                     static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-    K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, 256, 0, stream, a, C, ldc, r0, rows, split ? rows : 0));
+    K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, C, ldc, r0, rows, split ? rows : 0));
     K3_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;

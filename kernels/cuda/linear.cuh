@@ -48,6 +48,10 @@ struct LinearArgs {
   bool glu = false;
   GluAct act = GluAct::kSilu;
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
+
+  // LinearBlas, kF32 without GLU: row r's best (value, column) is also folded into argmax_keys[r] (ArgmaxKey, an
+  // integer max; zero the keys before) — greedy sampling without a pass over the logits. Null: none.
+  uint64_t* argmax_keys = nullptr;
 };
 
 cudaError_t Linear(const LinearArgs& a, cudaStream_t stream);

@@ -77,7 +77,7 @@ struct MoeExpertsArgs {
   int64_t D = 0;            // model (latent) width ℓ, a multiple of 8
   int64_t I = 0;            // expert intermediate width, a multiple of 8
   int64_t top_k = 0;        // pairs per token
-  int64_t num_experts = 0;  // E: the slots this call serves
+  int64_t num_experts = 0;  // E ≤ 8192: the slots this call serves
   const __nv_bfloat16* x = nullptr;  // [N, D]
   // Split x (kernels/cuda/split.cuh: x ≈ hi + lo, the GPU engine's activations): the lo plane at x + x_lo.
   // Then h and each expert's output keep 16 bits too (two planes), the sum goes to out_f32, and the tiled
@@ -124,8 +124,8 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
 // Token permutation by slot: a counting sort of the num_pairs (token, expert) pairs by expert, stable
 // (pair order inside an expert, as k3::cpu::MoeExperts buckets them). Expert e owns the slots
 // [offsets[e], offsets[e + 1]); slot_pair[s] is the pair index n·k + j in slot s (the first offsets[E]
-// entries are set) and pair_slot[p] the slot of pair p, −1 where idx[p] ∉ [0, E). counts [E] is scratch
-// (it ends up holding the tokens per expert). All device arrays.
+// entries are set) and pair_slot[p] the slot of pair p, −1 where idx[p] ∉ [0, E). counts [E] gets the tokens
+// per expert. num_experts ≤ 8192. All device arrays.
 cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts, int32_t* offsets,
                        int32_t* slot_pair, int32_t* pair_slot, cudaStream_t stream);
 

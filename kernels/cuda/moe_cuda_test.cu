@@ -147,9 +147,8 @@ TEST(RouteTopKCuda, RejectsBadShapes) {
 
 TEST(MoePermuteCuda, StableCountingSort) {
   REQUIRE_GPU();
-  const int64_t E = 13;
-  for (int64_t P : {0, 1, 999, 5000}) {
-    std::mt19937 rng(static_cast<uint32_t>(P));
+  for (const auto& [E, P] : {std::pair<int64_t, int64_t>{13, 0}, {13, 1}, {13, 999}, {13, 5000}, {300, 5000}}) {
+    std::mt19937 rng(static_cast<uint32_t>(P + E));
     std::vector<int32_t> idx(P);
     for (auto& e : idx) e = static_cast<int32_t>(rng() % (E + 3)) - 1;  // −1 and some ids ≥ E: not routed
     for (auto& e : idx)
@@ -158,7 +157,9 @@ TEST(MoePermuteCuda, StableCountingSort) {
         pair_slot(std::max<int64_t>(P, 1));
     CUDA_OK(MoePermute(P, d_idx.get(), E, counts.get(), offsets.get(), slot_pair.get(), pair_slot.get(), nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    std::vector<int32_t> ref_offsets(E + 1, 0), ref_slot_pair, ref_pair_slot(P, -1);
+    std::vector<int32_t> ref_offsets(E + 1, 0), ref_counts(E, 0), ref_slot_pair, ref_pair_slot(P, -1);
+    for (int32_t e : idx)
+      if (e >= 0 && e < E) ref_counts[e]++;
     for (int64_t e = 0; e < E; ++e) {
       ref_offsets[e] = static_cast<int32_t>(ref_slot_pair.size());
       for (int64_t p = 0; p < P; ++p)
@@ -169,6 +170,7 @@ TEST(MoePermuteCuda, StableCountingSort) {
     }
     ref_offsets[E] = static_cast<int32_t>(ref_slot_pair.size());
     EXPECT_EQ(offsets.ToHost(), ref_offsets) << "P=" << P;
+    EXPECT_EQ(counts.ToHost(), ref_counts) << "P=" << P;
     auto sp = slot_pair.ToHost();
     sp.resize(ref_slot_pair.size());
     EXPECT_EQ(sp, ref_slot_pair) << "P=" << P;
@@ -176,6 +178,9 @@ TEST(MoePermuteCuda, StableCountingSort) {
     ps.resize(P);
     EXPECT_EQ(ps, ref_pair_slot) << "P=" << P;
   }
+  DeviceBuffer<int32_t> one(std::vector<int32_t>{0}), big(8193 + 1);
+  EXPECT_EQ(MoePermute(1, one.get(), 8193, big.get(), big.get(), big.get(), big.get(), nullptr), cudaErrorInvalidValue)
+      << "more experts than the histogram holds";
 }
 
 // E experts of shape (D, I), each in its own allocation; bf16-rounded fp32 copies for the CPU.

@@ -92,6 +92,10 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   }
   DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 4);
   DeviceBuffer<float> dy(y0);
+  // LinearBlas's plain fp32 products also fold each row's argmax (the GPU engine's greedy pick).
+  const bool keys = blas && !glu && c.out == LinearOut::kF32;
+  DeviceBuffer<uint64_t> dkeys(std::vector<uint64_t>(std::max<int64_t>(c.M, 1), 0));
+  DeviceBuffer<int32_t> dids(std::max<int64_t>(c.M, 1));
   LinearArgs a;
   a.N = c.N, a.K = c.K, a.w = dw.bf(), a.glu = glu, a.act = c.act.value_or(GluAct::kSilu);
   a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
@@ -99,6 +103,7 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
   // The lo plane off 16-byte alignment (odd N) or on it: both store paths of the fold.
   a.ldy = cols, a.y_lo = c.M * cols + (c.N % 2 ? 1 : 4), a.out = c.out, a.M = c.M;
+  if (keys) a.argmax_keys = dkeys.get();
   if (blas) {
     LinearBlas lb;
     CUDA_OK(lb.Init(blas_ws));
@@ -114,6 +119,14 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
     const auto h = dyb.ToHost();
     for (int64_t i = 0; i < c.M * cols; ++i)
       got.push_back(Bf16ToFloat(h[i]) + (c.out == LinearOut::kSplit ? Bf16ToFloat(h[a.y_lo + i]) : 0.0f));
+  }
+  if (keys) {
+    CUDA_OK(ArgmaxIds(c.M, dkeys.get(), dids.get(), nullptr));
+    const auto ids = dids.ToHost();
+    for (int64_t m = 0; m < c.M; ++m) {
+      const auto row = got.begin() + m * cols;
+      EXPECT_EQ(ids[m], std::max_element(row, row + cols) - row) << "argmax of row " << m << " N " << c.N;
+    }
   }
   const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
   EXPECT_LT(Rel(got, ref), tol) << (blas ? "LinearBlas" : "Linear") << " M " << c.M << " N " << c.N << " K " << c.K

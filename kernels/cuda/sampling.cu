@@ -13,14 +13,6 @@ constexpr int kThreads = 256;
 constexpr int kPerThread = 16;  // logits a thread reads (four float4 when V allows)
 constexpr int kSpan = kThreads * kPerThread;
 
-// Order-preserving key of (logit, id): a larger logit wins, then the lower id; NaN ranks as −inf (never chosen
-// over a number). A real key is never 0, the value keys are cleared to.
-__device__ __forceinline__ uint64_t Key(float v, int64_t c) {
-  uint32_t u = __float_as_uint(v != v ? -INFINITY : v + 0.0f);  // −0 → +0
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (uint64_t{u} << 32) | (0xffffffffu - static_cast<uint32_t>(c));
-}
-
 // CTA (row r, span s): the best key of logits [s·kSpan, (s + 1)·kSpan) of row r, folded into keys[r].
 __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float* logits, uint64_t* keys) {
   PdlEnter();
@@ -33,10 +25,11 @@ __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float*
     const int64_t c = c0 + (int64_t{q} * kThreads + threadIdx.x) * 4;
     if (vec && c + 4 <= V) {
       const float4 v = *reinterpret_cast<const float4*>(row + c);
-      best = max(best, max(max(Key(v.x, c), Key(v.y, c + 1)), max(Key(v.z, c + 2), Key(v.w, c + 3))));
+      best = max(best, max(max(ArgmaxKey(v.x, c), ArgmaxKey(v.y, c + 1)),
+                           max(ArgmaxKey(v.z, c + 2), ArgmaxKey(v.w, c + 3))));
     } else {
       for (int e = 0; e < 4; ++e)
-        if (c + e < V) best = max(best, Key(row[c + e], c + e));
+        if (c + e < V) best = max(best, ArgmaxKey(row[c + e], c + e));
     }
   }
   for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
@@ -65,6 +58,12 @@ cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, in
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(R), static_cast<unsigned>((V + kSpan - 1) / kSpan));
   K3_CUDA_TRY(LaunchKernel(ArgmaxKernel, grid, kThreads, 0, stream, V, logits, keys));
+  return ArgmaxIds(R, keys, ids, stream);
+}
+
+cudaError_t ArgmaxIds(int64_t R, const uint64_t* keys, int32_t* ids, cudaStream_t stream) {
+  if (R < 0 || R > 0x7fffffff || !keys || !ids) return cudaErrorInvalidValue;
+  if (R == 0) return cudaSuccess;
   K3_CUDA_TRY(LaunchKernel(KeysToIdsKernel, static_cast<unsigned>((R + 255) / 256), 256, 0, stream, R, keys, ids));
   return cudaGetLastError();
 }

@@ -12,4 +12,17 @@ namespace k3::cuda {
 // workspace) with an integer max, so the result does not depend on their order.
 cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, int32_t* ids, cudaStream_t stream);
 
+// ids[r] = the id in keys[r], for keys folded elsewhere (a product's epilogue: LinearArgs::argmax_keys).
+cudaError_t ArgmaxIds(int64_t R, const uint64_t* keys, int32_t* ids, cudaStream_t stream);
+
+#ifdef __CUDACC__
+// Order-preserving key of (logit, id): a larger logit wins, then the lower id; NaN ranks as −inf (never chosen
+// over a number). A real key is never 0, the value keys are cleared to.
+__device__ __forceinline__ uint64_t ArgmaxKey(float v, int64_t c) {
+  uint32_t u = __float_as_uint(v != v ? -INFINITY : v + 0.0f);  // −0 → +0
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (uint64_t{u} << 32) | (0xffffffffu - static_cast<uint32_t>(c));
+}
+#endif
+
 }  // namespace k3::cuda
