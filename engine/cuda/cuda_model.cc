@@ -798,12 +798,18 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
       K3_CUDA_OK(ToSplit(N, X, moe_out, X, zn, stream));
     }
     K3_CUDA_OK(Lin(w.latent_up, d, X, zn, N, x, d, LinearOut::kF32Add));
-  } else {
-    K3_CUDA_OK(AddInto(N * d, moe_out, x, stream));
   }
+  const float* shared = nullptr;
   if (w.shared.gate_up) {
     K3_CUDA_OK(Join());
-    K3_CUDA_OK(AddInto(N * d, shared_out, x, stream));  // the same sum as the product's own kF32Add
+    shared = shared_out;
+  }
+  // x += routed (unless the up-projection added it), then += shared: the sums the shared product's own kF32Add
+  // made after the routed add.
+  if (!w.latent_up) {
+    K3_CUDA_OK(AddInto2(N * d, moe_out, shared, x, stream));
+  } else if (shared) {
+    K3_CUDA_OK(AddInto(N * d, shared, x, stream));
   }
   return absl::OkStatus();
 }

@@ -18,10 +18,12 @@ __global__ void EmbedKernel(int64_t N, int64_t d, const int32_t* ids, const __nv
   x[i] = __bfloat162float(table[int64_t{ids[n]} * d + c]);
 }
 
-__global__ void AddKernel(int64_t n, const float* x, float* y) {
+__global__ void AddKernel(int64_t n, const float* x, const float* x2, float* y) {
   PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  if (i < n) y[i] += x[i];
+  if (i >= n) return;
+  const float v = y[i] + x[i];
+  y[i] = x2 ? v + x2[i] : v;
 }
 
 __global__ void ToSplitKernel(int64_t M, int64_t D, const float* x, int64_t ldx, Split y) {
@@ -95,11 +97,15 @@ cudaError_t Embed(int64_t N, int64_t d, const int32_t* ids, const __nv_bfloat16*
   return cudaGetLastError();
 }
 
-cudaError_t AddInto(int64_t n, const float* x, float* y, cudaStream_t stream) {
+cudaError_t AddInto2(int64_t n, const float* x, const float* x2, float* y, cudaStream_t stream) {
   if (n < 0 || !x || !y) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(AddKernel, Blocks(n), kThreads, 0, stream, n, x, y));
+  K3_CUDA_TRY(LaunchKernel(AddKernel, Blocks(n), kThreads, 0, stream, n, x, x2, y));
   return cudaGetLastError();
+}
+
+cudaError_t AddInto(int64_t n, const float* x, float* y, cudaStream_t stream) {
+  return AddInto2(n, x, nullptr, y, stream);
 }
 
 cudaError_t ToSplit(int64_t M, int64_t D, const float* x, int64_t ldx, Split y, cudaStream_t stream) {

@@ -14,8 +14,9 @@ namespace k3::cuda {
 // x[n] = table[ids[n]] (bf16 table [V, d] → fp32 rows).
 cudaError_t Embed(int64_t N, int64_t d, const int32_t* ids, const __nv_bfloat16* table, float* x,
                   cudaStream_t stream);
-// y += x, n floats.
+// y += x, n floats; y = (y + x) + x2 (two residual adds in one pass, rounded as two).
 cudaError_t AddInto(int64_t n, const float* x, float* y, cudaStream_t stream);
+cudaError_t AddInto2(int64_t n, const float* x, const float* x2, float* y, cudaStream_t stream);
 // y = split(x) for M rows of D (x row stride ldx).
 cudaError_t ToSplit(int64_t M, int64_t D, const float* x, int64_t ldx, Split y, cudaStream_t stream);
 // o ← o ⊙ sigmoid(gate) for M rows of D (gate fp32, row stride D): the K3 MLA output gate.

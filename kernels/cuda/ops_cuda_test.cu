@@ -20,6 +20,7 @@
 #include "kernels/cpu/norm.h"
 #include "kernels/cuda/attnres.cuh"
 #include "kernels/cuda/conv.cuh"
+#include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/kda_small.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/mla.cuh"
@@ -454,6 +455,27 @@ TEST(AttnResCuda, NaiveReadMatchesCpu) {
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_LT(Rel(out.ToHost(), ref), 1e-5) << "m " << m;
   }
+}
+
+// ------------------------------------------------------------------------------------ element-wise
+
+// The residual adds: y + x, and (y + x) + x2 rounded as two adds (the engine's routed then shared sum).
+TEST(ElementwiseCuda, AddIntoRoundsLikeTwoAdds) {
+  REQUIRE_GPU();
+  for (const int64_t n : {0, 1, 1000, 4097}) {
+    const std::vector<float> x = Randn(n + 1, 70), x2 = Randn(n + 1, 71), y = Randn(n + 1, 72);
+    DeviceBuffer<float> dx(x), dx2(x2), dy(y), dy2(y);
+    CUDA_OK(AddInto(n, dx.get(), dy.get(), nullptr));
+    CUDA_OK(AddInto2(n, dx.get(), dx2.get(), dy2.get(), nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got = dy.ToHost(), got2 = dy2.ToHost();
+    for (int64_t i = 0; i <= n; ++i) {
+      const float once = i < n ? y[i] + x[i] : y[i];  // the element past n stays
+      ASSERT_EQ(got[i], once) << "n " << n << " i " << i;
+      ASSERT_EQ(got2[i], i < n ? once + x2[i] : y[i]) << "n " << n << " i " << i;
+    }
+  }
+  EXPECT_EQ(AddInto2(4, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
 }
 
 // ------------------------------------------------------------------------------------------- sampling
