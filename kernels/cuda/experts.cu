@@ -474,10 +474,15 @@ unsigned GridFor(int64_t work, int threads) {
 
 cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
-// 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 96 KB of weights in flight.
-// On the H200 at 8 tokens per expert this streamed 3.87–3.95 TB/s; 64 rows with 4 or 6 stages (64 / 96 KB)
-// and 32-token tiles with 6 stages gave 3.44, 2.64 and 3.78 TB/s in the same run.
+// 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 128 KB of weights in flight.
+// 64 rows with 4 or 6 stages (64 / 96 KB) and 32-token tiles with 6 stages (one CTA per SM) were slower.
 using Tile = TileShape<8, 64, 4>;
+// Plain bf16 batches with up to 16 pairs per expert (the expert node at decode): 32-token tiles and five
+// stages, two CTAs per SM with 160 KB of weights in flight. H200, avg 8 Zipf pairs per expert at K3 shapes,
+// same run: 1022 µs (3.62 TB/s) with Tile, 949 with SmallTile (more tiles re-read the big experts), 918
+// (4.03 TB/s) with this.
+using MidTile = TileShape<8, 32, 5>;
+constexpr int64_t kMidTileMaxPairsPerExpert = 16;
 // Split batches with few pairs per expert (the GPU engine's decode): 16-row token tiles (8 tokens) and six
 // stages fit two CTAs per SM with 160 KB of weights in flight per SM instead of 96 KB (on the H200 the
 // experts of a decode step streamed 3.4 TB/s with Tile, 3.65 with 32-row tiles and five stages). The tile shape
@@ -668,13 +673,18 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
     return cudaErrorInvalidValue;
   if (gemm == MoeGemm::kAuto)
     gemm = split || P <= kMoeTiledMaxPairsPerExpert * E ? MoeGemm::kTiled : MoeGemm::kCublas;
-  const bool tiled = gemm == MoeGemm::kTiled, small = split && P <= kSmallTileMaxPairsPerExpert * E;
-  const int tile_tokens = small ? SmallTile::kTokens / 2 : split ? Tile::kTokens / 2 : Tile::kTokens;
+  const bool tiled = gemm == MoeGemm::kTiled, small = split && P <= kSmallTileMaxPairsPerExpert * E,
+             mid = !split && P <= kMidTileMaxPairsPerExpert * E;
+  const int tile_tokens = small ? SmallTile::kTokens / 2 : mid ? MidTile::kTokens : split ? Tile::kTokens / 2
+                                                                                          : Tile::kTokens;
   cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, tile_tokens,
                             tiled ? b.tiles : nullptr, b.tile_done, tiled ? b.num_tiles : nullptr, a.experts_hit,
                             stream);
   if (err == cudaSuccess)
-    err = !tiled ? RunCublas(a, b, stream) : small ? RunTiled<SmallTile>(a, b, stream) : RunTiled<Tile>(a, b, stream);
+    err = !tiled ? RunCublas(a, b, stream)
+          : small ? RunTiled<SmallTile>(a, b, stream)
+          : mid   ? RunTiled<MidTile>(a, b, stream)
+                  : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;
   const int chunks = static_cast<int>(a.D / 8);
   if (split) {

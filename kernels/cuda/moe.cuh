@@ -10,7 +10,8 @@
 // its k weighted results in pair order (deterministic: no atomics on the output). Two GEMM paths:
 //   kTiled   our weight-streaming mma.sync kernels: gate/up with the activation fused (fp32), then down;
 //            a CTA streams 128 weight rows once for up to 64 tokens (32 with a split x: hi and lo rows, their
-//            accumulators added before the activation). No host synchronization.
+//            accumulators added before the activation; 32 and 8 at few pairs per expert, with deeper rings).
+//            The down CTAs of a token tile start when its gate/up CTAs are done. No host synchronization.
 //   kCublas  per expert: its rows gathered, W1 and W3 as one two-problem batched cuBLAS GEMM, an
 //            activation pass, W2; the experts' chains spread over 4 side streams. cuBLAS takes the shapes
 //            on the host: the call copies the counts back and synchronizes the stream (no graph capture).
