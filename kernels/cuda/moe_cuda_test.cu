@@ -264,7 +264,7 @@ std::vector<std::pair<std::string, Routing>> Routings(int64_t E) {
     Routing r{150, 1, std::vector<int32_t>(150, 1), weights(150)};
     v.emplace_back("all on one expert", r);
   }
-  {  // 40 tokens on one expert: five 8-token tiles when the split path takes its small tiles
+  {  // 40 tokens on one expert: five 8-token tiles on the split path, two 32-token tiles on the plain one
     Routing r{40, 1, std::vector<int32_t>(40, 0), weights(40)};
     v.emplace_back("40 on one expert", r);
   }
