@@ -1,4 +1,4 @@
-// Kernel launches with programmatic dependent launch (PDL, sm_90). A decode step is ~150 kernels of a few
+// Kernel launches with programmatic dependent launch (PDL, sm_90). A decode step is ~100 kernels of a few
 // microseconds each; launched plainly, each waits for the one before it to drain before its CTAs are even
 // scheduled. Launched through LaunchKernel(), a kernel's CTAs are scheduled once every CTA of the kernel before it
 // has passed its own PdlEnter(), and then wait in theirs until that kernel has finished and its writes are
