@@ -154,7 +154,8 @@ struct CudaModel::Impl {
   LocalCudaExperts local_experts;
   CudaExpertExecutor* experts = nullptr;
 
-  std::map<std::pair<int64_t, int64_t>, cudaGraphExec_t> graphs;  // decode batches by (tokens, logit rows)
+  // Decode batches by (tokens, logit rows, whether the logits are kept).
+  std::map<std::tuple<int64_t, int64_t, bool>, cudaGraphExec_t> graphs;
 
   // Profiling: events around stages, harvested after each forward.
   bool profile = false;
@@ -220,7 +221,8 @@ struct CudaModel::Impl {
   absl::Status Upload(TensorSource& source);
   absl::Status AllocState();
   absl::Status AllocWork();
-  absl::Status Run(std::span<const GpuChunk> chunks, int64_t* rows);
+  // The forward pass up to each logit row's greedy id (ids); the logits too when keep_logits.
+  absl::Status Run(std::span<const GpuChunk> chunks, bool keep_logits, int64_t* rows);
   absl::Status Kda(int64_t l, int64_t N, int64_t nd, int64_t num_chunks, const std::vector<int32_t>& cu_host,
                    const int32_t* const* m);
   absl::Status Mla(int64_t l, int64_t N, int64_t nd, const std::vector<int64_t>& pre_start,
@@ -814,7 +816,7 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out_rows) {
+absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_logits, int64_t* out_rows) {
   const int64_t d = c.hidden_size, V = c.vocab_size, L = c.num_layers;
   // Checks, and the internal order: decode tokens (one-token chunks) first, then the longer chunks.
   int64_t N = 0;
@@ -959,12 +961,14 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
     K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
     if (R > 0) {
       K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, fn, stream));
-      // The logits, and each row's greedy pick folded on the way (ForwardGreedy reads the keys).
+      // Each row's greedy pick is folded on the way; the logits are stored only when kept (greedy decoding
+      // would write and never read 42 MB at a batch of 64).
       K3_CUDA_OK(cudaMemsetAsync(argmax_keys, 0, R * sizeof(uint64_t), stream));
       LinearArgs la;
-      la.N = V, la.K = d, la.w = lm_head, la.x = fn, la.y = logits, la.ldy = V, la.out = LinearOut::kF32, la.M = R;
-      la.argmax_keys = argmax_keys;
+      la.N = V, la.K = d, la.w = lm_head, la.x = fn, la.y = keep_logits ? logits : nullptr, la.ldy = V;
+      la.out = LinearOut::kF32, la.M = R, la.argmax_keys = argmax_keys;
       K3_CUDA_OK(blas.Run(la, stream));
+      K3_CUDA_OK(ArgmaxIds(R, argmax_keys, ids, stream));
     }
     return absl::OkStatus();
   };
@@ -973,7 +977,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
   // everything it enqueues depend on (N, R) alone; positions, slots and lengths are read on the device from
   // the metadata uploaded above. Not while profiling, nor with remote experts (their bridge waits on the host).
   if (opt.cuda_graphs && nd == C && !profile && experts == &local_experts) {
-    auto it = graphs.find({N, R});
+    auto it = graphs.find({N, R, keep_logits});
     if (it == graphs.end()) {
       K3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       const absl::Status st = enqueue();
@@ -985,7 +989,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, int64_t* out
       const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
       cudaGraphDestroy(graph);
       K3_CUDA_OK(inst);
-      it = graphs.emplace(std::make_pair(N, R), exec).first;
+      it = graphs.emplace(std::make_tuple(N, R, keep_logits), exec).first;
     }
     K3_CUDA_OK(cudaGraphLaunch(it->second, stream));
   } else {
@@ -1092,7 +1096,7 @@ int64_t CudaModel::position(int32_t slot) const {
 absl::Status CudaModel::Forward(std::span<const GpuChunk> chunks, std::vector<float>* logits) {
   Impl& m = *impl_;
   int64_t R = 0;
-  K3_RETURN_IF_ERROR(m.Run(chunks, &R));
+  K3_RETURN_IF_ERROR(m.Run(chunks, true, &R));
   logits->resize(R * m.c.vocab_size);
   if (R > 0)
     K3_CUDA_OK(cudaMemcpyAsync(logits->data(), m.logits, R * m.c.vocab_size * sizeof(float), cudaMemcpyDeviceToHost,
@@ -1105,13 +1109,10 @@ absl::Status CudaModel::Forward(std::span<const GpuChunk> chunks, std::vector<fl
 absl::Status CudaModel::ForwardGreedy(std::span<const GpuChunk> chunks, std::vector<int32_t>* ids) {
   Impl& m = *impl_;
   int64_t R = 0;
-  K3_RETURN_IF_ERROR(m.Run(chunks, &R));
+  K3_RETURN_IF_ERROR(m.Run(chunks, false, &R));
   ids->resize(R);
-  if (R > 0) {
-    Phase p(m, "argmax");
-    K3_CUDA_OK(ArgmaxIds(R, m.argmax_keys, m.ids, m.stream));
+  if (R > 0)
     K3_CUDA_OK(cudaMemcpyAsync(ids->data(), m.ids, R * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
-  }
   K3_CUDA_OK(cudaStreamSynchronize(m.stream));
   m.Harvest();
   return absl::OkStatus();

@@ -230,7 +230,7 @@ bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 cudaError_t Check(const LinearArgs& a) {
   const bool glu = a.glu;
-  if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || a.y == nullptr ||
+  if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || (!a.y && !a.argmax_keys) ||
       a.groups < 1 || a.groups > 65535 || (glu && a.N % 2 != 0) || a.M < 0)
     return cudaErrorInvalidValue;
   // 16-byte operand loads: every row and group of x and W must start on 16 bytes.
@@ -297,7 +297,8 @@ __device__ __forceinline__ uint64_t FoldRow(const LinearArgs& a, const float* c,
 #pragma unroll
     for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
   }
-  if (vec && store4) {
+  if (!a.y) {  // argmax keys only
+  } else if (vec && store4) {
     Store4(a, r, col0, g);
   } else {
     for (int q = 0; q < kFoldCols; ++q)

@@ -50,7 +50,8 @@ struct LinearArgs {
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
 
   // LinearBlas, kF32 without GLU: row r's best (value, column) is also folded into argmax_keys[r] (ArgmaxKey, an
-  // integer max; zero the keys before) — greedy sampling without a pass over the logits. Null: none.
+  // integer max; zero the keys before) — greedy sampling without a pass over the logits; y may then be null
+  // (the keys alone). Null: none.
   uint64_t* argmax_keys = nullptr;
 };
 

@@ -128,6 +128,14 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
       const auto row = got.begin() + m * cols;
       EXPECT_EQ(ids[m], std::max_element(row, row + cols) - row) << "argmax of row " << m << " N " << c.N;
     }
+    // The keys alone (no output rows stored): the same picks.
+    DeviceBuffer<uint64_t> keys_only(std::vector<uint64_t>(std::max<int64_t>(c.M, 1), 0));
+    a.y = nullptr, a.argmax_keys = keys_only.get();
+    LinearBlas lb;
+    CUDA_OK(lb.Init(blas_ws));
+    CUDA_OK(lb.Run(a, nullptr));
+    CUDA_OK(ArgmaxIds(c.M, keys_only.get(), dids.get(), nullptr));
+    EXPECT_EQ(dids.ToHost(), ids) << "keys without the output, N " << c.N;
   }
   const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
   EXPECT_LT(Rel(got, ref), tol) << (blas ? "LinearBlas" : "Linear") << " M " << c.M << " N " << c.N << " K " << c.K
