@@ -243,11 +243,14 @@ struct CudaModel::Impl {
   }
 
   LinearBlas blas, blas_side;  // the dense products, on the stream and on the side stream
+  cudaError_t Blas(const LinearArgs& la, On on = On::kMain) {
+    return on == On::kSide ? blas_side.Run(la, side) : blas.Run(la, stream);
+  }
   cudaError_t Lin(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
                   int64_t y_lo = 0, On on = On::kMain) {
     LinearArgs la;
     la.N = n, la.K = k, la.w = w, la.x = in, la.y = y, la.ldy = ldy, la.y_lo = y_lo, la.out = out, la.M = M;
-    return on == On::kSide ? blas_side.Run(la, side) : blas.Run(la, stream);
+    return Blas(la, on);
   }
   cudaError_t LinSplit(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, Split y) {
     return Lin(w, n, k, in, M, y.p, y.ld, LinearOut::kSplit, y.lo);
@@ -651,7 +654,7 @@ absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N, float* y, 
   la.N = 2 * g.I, la.K = c.hidden_size, la.w = g.gate_up, la.x = in;
   la.y = hid.p, la.ldy = hid.ld, la.y_lo = hid.lo, la.out = LinearOut::kSplit, la.M = N;
   la.glu = true, la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
-  K3_CUDA_OK(on == On::kSide ? blas_side.Run(la, side) : blas.Run(la, stream));
+  K3_CUDA_OK(Blas(la, on));
   K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, y, c.hidden_size, out, 0, on));
   return absl::OkStatus();
 }
@@ -967,7 +970,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       LinearArgs la;
       la.N = V, la.K = d, la.w = lm_head, la.x = fn, la.y = keep_logits ? logits : nullptr, la.ldy = V;
       la.out = LinearOut::kF32, la.M = R, la.argmax_keys = argmax_keys;
-      K3_CUDA_OK(blas.Run(la, stream));
+      K3_CUDA_OK(Blas(la));
       K3_CUDA_OK(ArgmaxIds(R, argmax_keys, ids, stream));
     }
     return absl::OkStatus();

@@ -642,8 +642,9 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   if (err == cudaSuccess) err = cudaMalloc(&b.offsets, (E + 1) * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.slot_pair, Pc * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.pair_slot, Pc * sizeof(int32_t));
-  if (err == cudaSuccess) err = cudaMalloc(&b.tiles, (E + P / (SmallTile::kTokens / 2) + 1) * sizeof(int2));
-  if (err == cudaSuccess) err = cudaMalloc(&b.tile_done, (E + P / (SmallTile::kTokens / 2) + 1) * sizeof(int32_t));
+  const int64_t max_tiles = E + P / (SmallTile::kTokens / 2) + 1;  // the smallest tiles: the longest list
+  if (err == cudaSuccess) err = cudaMalloc(&b.tiles, max_tiles * sizeof(int2));
+  if (err == cudaSuccess) err = cudaMalloc(&b.tile_done, max_tiles * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMalloc(&b.num_tiles, sizeof(int32_t));
   // h and y with a second plane for the split path.
   if (err == cudaSuccess) err = cudaMalloc(&b.h, 2 * Pc * std::max<int64_t>(I, 1) * sizeof(bf16));

@@ -274,7 +274,7 @@ __device__ __forceinline__ void Store4(const LinearArgs& a, int64_t row, int64_t
 
 constexpr int kFoldCols = 4;
 
-// Row r of y at columns col0..col0 + 3 at columns col0..col0 + 3; returns their best argmax key.
+// Row r of y at columns col0..col0 + 3 (stored when a.y is set); returns their best argmax key.
 __device__ __forceinline__ uint64_t FoldRow(const LinearArgs& a, const float* c, int64_t ldc, int64_t r,
                                            int64_t lo_rows, int64_t col0, int64_t cols, bool vec, bool store4) {
   float g[kFoldCols], u[kFoldCols];
@@ -297,10 +297,9 @@ __device__ __forceinline__ uint64_t FoldRow(const LinearArgs& a, const float* c,
 #pragma unroll
     for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
   }
-  if (!a.y) {  // argmax keys only
-  } else if (vec && store4) {
+  if (a.y && vec && store4) {
     Store4(a, r, col0, g);
-  } else {
+  } else if (a.y) {
     for (int q = 0; q < kFoldCols; ++q)
       if (col0 + q < cols) Store(a, 0, r, col0 + q, g[q]);
   }
@@ -325,22 +324,9 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
   const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
-  __shared__ uint64_t warp_best[kFoldThreads / 32];
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
-    if (a.argmax_keys) {  // this CTA's best of row i, then one integer max into the row's key
-      uint64_t best = 0;
-      if (col0 < cols) best = FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4);
-      for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-      if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        for (int w = 1; w < kFoldThreads / 32; ++w) best = max(best, warp_best[w]);
-        atomicMax(reinterpret_cast<unsigned long long*>(a.argmax_keys + r0 + i), static_cast<unsigned long long>(best));
-      }
-      __syncthreads();
-    } else {
-      FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4);
-    }
+    const uint64_t best = col0 < cols ? FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4) : 0;
+    if (a.argmax_keys) FoldBlockKey<kFoldThreads>(best, a.argmax_keys + r0 + i);
   }
 }
 

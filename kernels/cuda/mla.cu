@@ -73,10 +73,11 @@ __global__ void QrKernel(int64_t N, MlaDims s, Split q, Split qa) {
 // past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass combines the
 // runs. The split is a function of the token's own length only, so a token's result does not depend on the
 // batch: runs of at least kTilesPerSplit tiles (a CTA's fixed cost — the query, the partials — is worth a few
-// tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ (warp w: cache rows 8w..8w+7, the query as split hi + lo: two MMAs per
-// cache fragment, so scores keep ~16 bits of q), an online softmax over the 32 scores of each head, then
-// acc += P·C[:, :r] (P as split hi + lo; warp w: column pairs w, w+4, ...). Cache tiles arrive through a
-// two-stage cp.async ring; rows are padded so that the fragment loads are free of bank conflicts.
+// tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ
+// (warp w: cache rows 8w..8w+7, the query as split hi + lo: two MMAs per cache fragment, so scores keep ~16 bits
+// of q), an online softmax over the 32 scores of each head, then acc += P·C[:, :r] (P as split hi + lo; warp w:
+// column pairs w, w+4, ...). Cache tiles arrive through a two-stage cp.async ring; rows are padded so that the
+// fragment loads are free of bank conflicts.
 constexpr int kHeads = 16;           // heads per CTA: the MMA's M
 constexpr int kRows = 32;            // cache rows per tile: one 8-row n-tile per warp
 constexpr int kTilesPerSplit = 12;

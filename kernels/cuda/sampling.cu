@@ -32,14 +32,7 @@ __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float*
         if (c + e < V) best = max(best, ArgmaxKey(row[c + e], c + e));
     }
   }
-  for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-  __shared__ uint64_t warp_best[kThreads / 32];
-  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) best = max(best, warp_best[w]);
-    atomicMax(reinterpret_cast<unsigned long long*>(keys + blockIdx.x), static_cast<unsigned long long>(best));
-  }
+  FoldBlockKey<kThreads>(best, keys + blockIdx.x);
 }
 
 __global__ void KeysToIdsKernel(int64_t R, const uint64_t* keys, int32_t* ids) {
