@@ -7,7 +7,10 @@
 // A (weights) and B (tokens) fragments: logical (2·tig + c, 2·tig + 8 + c) of MMA step s ↔ physical
 // 16·tig + 4s + (c, 2 + c). Weights then arrive with 16-byte loads and no shuffles or ldmatrix.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "kernels/cuda/cuda_try.cuh"
@@ -244,6 +247,9 @@ cudaError_t Check(const LinearArgs& a) {
 
 constexpr int64_t kRefRows = 128;  // the stacked rows the algorithm is chosen for (64 split tokens)
 constexpr size_t kLtWorkspace = size_t{32} << 20;
+constexpr int kTuneCandidates = 16;  // asked of the heuristic
+constexpr int kMaxCandidates = 96;   // with their split-K variants
+constexpr int kTimedReps = 3;
 
 int64_t Ldc(int64_t N) { return (N + 7) / 8 * 8; }  // 32-byte rows of C
 size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
@@ -371,30 +377,142 @@ struct LinearBlas::State {
     }
   };
 
-  cudaError_t Heuristic(const Layouts& l, cublasLtMatmulAlgo_t* algo) {
+  cublasStatus_t Matmul(const __nv_bfloat16* w, const Layouts& l, const void* x, float* C,
+                        const cublasLtMatmulAlgo_t* algo, cudaStream_t stream) {
+    const float one = 1.0f, zero = 0.0f;
+    return cublasLtMatmul(lt, desc, &one, w, l.w, x, l.x, &zero, C, l.c, C, l.c, algo, lt_ws, kLtWorkspace, stream);
+  }
+
+  struct Candidates {
+    cublasLtMatmulAlgo_t a[kMaxCandidates];
+    int n = 0;
+  };
+
+  // Up to `want` candidates for these layouts, cuBLASLt's first choice first.
+  cudaError_t Heuristic(const Layouts& l, int want, Candidates* algos) {
     cublasLtMatmulPreference_t pref = nullptr;
     K3_CUDA_TRY(Lt(cublasLtMatmulPreferenceCreate(&pref)));
-    cublasLtMatmulHeuristicResult_t r{};
+    cublasLtMatmulHeuristicResult_t r[kTuneCandidates] = {};
+    want = std::min(want, kTuneCandidates);
     int found = 0;
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                              &kLtWorkspace, sizeof(kLtWorkspace));
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(lt, desc, l.w, l.x, l.c, l.c, pref, 1, &r, &found);
+      st = cublasLtMatmulAlgoGetHeuristic(lt, desc, l.w, l.x, l.c, l.c, pref, want, r, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     K3_CUDA_TRY(Lt(st));
     if (found == 0) return cudaErrorNotSupported;
-    *algo = r.algo;
+    algos->n = 0;
+    for (int i = 0; i < found; ++i) algos->a[algos->n++] = r[i].algo;
+    if (want > 1)
+      for (int i = 0; i < found; ++i) AddSplitK(l, r[i].algo, algos);
     return cudaSuccess;
   }
 
-  // The algorithm of (N, K, ldx): the heuristic's choice for kRefRows rows, kept for every row count.
-  cudaError_t Algo(int64_t N, int64_t K, int64_t ldx, const Layouts& l, cublasLtMatmulAlgo_t* algo) {
+  // Split-K variants of a candidate (the heuristic rarely offers them for 128 stacked rows, where a 64 × 64
+  // tile grid covers half the SMs of an H200 for N = 2304). Both reduction schemes used are deterministic.
+  void AddSplitK(const Layouts& l, const cublasLtMatmulAlgo_t& base, Candidates* algos) {
+    int32_t supported = 0;
+    uint32_t schemes = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &supported, sizeof(supported),
+                                          &written) != CUBLAS_STATUS_SUCCESS ||
+        supported == 0 ||
+        cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes,
+                                          sizeof(schemes), &written) != CUBLAS_STATUS_SUCCESS)
+      return;
+    const uint32_t scheme = schemes & CUBLASLT_REDUCTION_SCHEME_INPLACE         ? CUBLASLT_REDUCTION_SCHEME_INPLACE
+                            : schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE ? CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
+                                                                                : 0;
+    if (scheme == 0) return;
+    for (int32_t splits : {2, 3, 4, 6, 8, 16}) {
+      if (algos->n == kMaxCandidates) return;
+      cublasLtMatmulAlgo_t a = base;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits)) ==
+              CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme)) ==
+              CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoCheck(lt, desc, l.w, l.x, l.c, l.c, &a, &check) == CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= kLtWorkspace)
+        algos->a[algos->n++] = a;
+    }
+  }
+
+  // The fastest of the candidates for kRefRows rows of (N, K, ldx) with weight w, timed on the stream: cuBLASLt's
+  // first choice for these skinny products is often not its fastest (the MLA query product: 25 µs against 17 on
+  // an H200). Scratch x and C are allocated for the timing and freed.
+  cudaError_t Fastest(int64_t N, int64_t K, int64_t ldx, const __nv_bfloat16* w, const Layouts& ref,
+                      const Candidates& cands, cudaStream_t stream, bool verbose, cublasLtMatmulAlgo_t* best) {
+    *best = cands.a[0];
+    if (cands.n == 1) return cudaSuccess;
+    void* x = nullptr;
+    float* C = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    cudaError_t err = cudaMalloc(&x, size_t(kRefRows * ldx) * 2);
+    if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void**>(&C), size_t(kRefRows * Ldc(N)) * 4);
+    if (err == cudaSuccess) err = cudaMemsetAsync(x, 0x3c, size_t(kRefRows * ldx) * 2, stream);  // ≈ 0.011 each
+    int device = 0, l2 = 0;
+    if (err == cudaSuccess) err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+    const size_t flush_bytes = size_t(2) * l2;
+    void* flush = nullptr;
+    if (err == cudaSuccess) err = cudaMalloc(&flush, flush_bytes);
+    if (err == cudaSuccess) err = cudaEventCreate(&e0);
+    if (err == cudaSuccess) err = cudaEventCreate(&e1);
+    float best_ms = 0.0f, first_ms = 0.0f;
+    int best_i = -1;
+    for (int i = 0; i < cands.n && err == cudaSuccess; ++i) {
+      const cublasLtMatmulAlgo_t* cand = &cands.a[i];
+      if (Matmul(w, ref, x, C, cand, stream) != CUBLAS_STATUS_SUCCESS) continue;  // one this problem cannot run
+      // Timed with the weight out of L2 (as in a decode step, where it streams from memory): the flush buffer
+      // is written between repetitions.
+      float ms = 0.0f;
+      for (int r = 0; r < kTimedReps && err == cudaSuccess; ++r) {
+        err = cudaMemsetAsync(flush, r, flush_bytes, stream);
+        if (err == cudaSuccess) err = cudaEventRecord(e0, stream);
+        if (err == cudaSuccess) err = Lt(Matmul(w, ref, x, C, cand, stream));
+        if (err == cudaSuccess) err = cudaEventRecord(e1, stream);
+        if (err == cudaSuccess) err = cudaEventSynchronize(e1);
+        float t = 0.0f;
+        if (err == cudaSuccess) err = cudaEventElapsedTime(&t, e0, e1);
+        ms += t;
+      }
+      if (i == 0) first_ms = ms;
+      if (err == cudaSuccess && (best_i < 0 || ms < best_ms)) best_ms = ms, best_i = i, *best = cands.a[i];
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaFree(flush);
+    cudaFree(x);
+    cudaFree(C);
+    if (verbose && err == cudaSuccess)
+      std::fprintf(stderr, "LinearBlas: N %ld K %ld ldx %ld: candidate %d of %d, %.1f us (first choice %.1f us)\n",
+                   static_cast<long>(N), static_cast<long>(K), static_cast<long>(ldx), best_i, cands.n,
+                   1e3f * best_ms / kTimedReps, 1e3f * first_ms / kTimedReps);
+    return err;
+  }
+
+  // The algorithm of (N, K, ldx): chosen once for kRefRows rows and kept for every row count — the fastest
+  // candidate on this GPU, or cuBLASLt's first choice with K3SERVE_BLAS_TUNE=0 or while the stream is being
+  // captured into a graph (nothing can be timed then).
+  cudaError_t Algo(int64_t N, int64_t K, int64_t ldx, const __nv_bfloat16* w, const Layouts& l, cudaStream_t stream,
+                   cublasLtMatmulAlgo_t* algo) {
     auto it = algos.find({N, K, ldx});
     if (it == algos.end()) {
+      static const std::string mode = [] {
+        const char* e = std::getenv("K3SERVE_BLAS_TUNE");
+        return std::string(e ? e : "1");
+      }();
+      const bool tune = mode != "0";
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      K3_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
       Layouts ref;
       K3_CUDA_TRY(ref.Make(N, K, kRefRows, ldx));
+      Candidates cands;
+      K3_CUDA_TRY(Heuristic(ref, tune && capture == cudaStreamCaptureStatusNone ? kTuneCandidates : 1, &cands));
       cublasLtMatmulAlgo_t a;
-      K3_CUDA_TRY(Heuristic(ref, &a));
+      K3_CUDA_TRY(Fastest(N, K, ldx, w, ref, cands, stream, mode == "verbose", &a));
       it = algos.emplace(std::make_tuple(N, K, ldx), a).first;
     }
     cublasLtMatmulHeuristicResult_t check{};
@@ -403,7 +521,10 @@ struct LinearBlas::State {
       *algo = it->second;
       return cudaSuccess;
     }
-    return Heuristic(l, algo);  // this row count needs another kernel (not met at the engine's shapes)
+    Candidates first;  // this row count needs another kernel (not met at the engine's shapes)
+    K3_CUDA_TRY(Heuristic(l, 1, &first));
+    *algo = first.a[0];
+    return cudaSuccess;
   }
 };
 
@@ -459,7 +580,7 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     State::Layouts l;
     K3_CUDA_TRY(l.Make(a.N, a.K, n, ldx));
     cublasLtMatmulAlgo_t algo;
-    K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, l, &algo));
+    K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, a.w, l, stream, &algo));
     K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
                                   kLtWorkspace, stream)));
     const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
