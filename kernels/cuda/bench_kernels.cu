@@ -238,7 +238,8 @@ void BenchExperts(int iters, std::vector<MoeResult>& results) {
     a.N = N, a.D = D, a.I = I, a.top_k = k, a.num_experts = E;
     a.x = x, a.idx = d_idx, a.w = d_w, a.w1 = p1, a.w3 = p3, a.w2 = p2, a.out = out;
     a.act = k3::cuda::GluAct::kSitu;
-    for (auto [gemm, tag] : {std::pair{k3::cuda::MoeGemm::kTiled, "tiled"}, {k3::cuda::MoeGemm::kCublas, "cublas"}}) {
+    for (auto [gemm, tag] : {std::pair{k3::cuda::MoeGemm::kTiled, "tiled"}, {k3::cuda::MoeGemm::kCublas, "cublas"},
+                             {k3::cuda::MoeGemm::kWgmma, "wgmma"}}) {
       const double ms = MedianMs([&] { CHECK(k3::cuda::MoeExperts(a, gemm, ws, nullptr)); }, iters);
       const std::string anchor = "experts_avg" + std::to_string(avg);
       results.push_back({anchor + "_" + tag, anchor, ms, weight_bytes, 2.0 * 3 * D * I * P});

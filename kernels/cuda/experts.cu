@@ -474,6 +474,44 @@ unsigned GridFor(int64_t work, int threads) {
 
 cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
+}  // namespace
+}  // namespace k3::cuda
+
+#include "kernels/cuda/experts_wgmma.cuh"
+
+namespace k3::cuda {
+namespace {
+
+cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
+  static const cudaError_t attr = [] {
+    constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true>, kAttr, wg::kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false>, kAttr, wg::kSmem);
+    return err;
+  }();
+  K3_CUDA_TRY(attr);
+  int sms = 0;
+  K3_CUDA_TRY(SmCount(&sms));
+  const int64_t P = a.N * a.top_k, max_tiles = a.num_experts + P / wg::kBM;
+  WgArgs t{};
+  t.top_k = static_cast<int>(a.top_k);
+  t.tiles = b.tiles, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
+  t.act = a.act, t.beta1 = a.situ_beta, t.beta2 = a.situ_linear_beta;
+  // gate/up → h: 128 features of W1 and W3 per item
+  t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
+  t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
+  t.col_blocks = static_cast<int>((a.I + wg::kBN / 2 - 1) / (wg::kBN / 2));
+  unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true>, grid, wg::kThreads, wg::kSmem, stream, t));
+  // down → y: 256 features of W2 per item
+  t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
+  t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
+  t.col_blocks = static_cast<int>((a.D + wg::kBN - 1) / wg::kBN);
+  grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false>, grid, wg::kThreads, wg::kSmem, stream, t));
+  return cudaGetLastError();
+}
+
 // 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 128 KB of weights in flight.
 // 64 rows with 4 or 6 stages (64 / 96 KB) and 32-token tiles with 6 stages (one CTA per SM) were slower.
 using Tile = TileShape<8, 64, 4>;
@@ -670,19 +708,25 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
   if (a.N == 0) return cudaSuccess;
   const bool split = a.x_lo != 0;
   if (!a.x || !a.idx || !a.w || !a.w1 || !a.w3 || !a.w2 || (split ? !a.out_f32 : !a.out) || !b.counts ||
-      P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E || (split && gemm == MoeGemm::kCublas))
+      P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E ||
+      (split && (gemm == MoeGemm::kCublas || gemm == MoeGemm::kWgmma)))
     return cudaErrorInvalidValue;
   if (gemm == MoeGemm::kAuto)
     gemm = split || P <= kMoeTiledMaxPairsPerExpert * E ? MoeGemm::kTiled : MoeGemm::kCublas;
-  const bool tiled = gemm == MoeGemm::kTiled, small = split && P <= kSmallTileMaxPairsPerExpert * E,
-             mid = !split && P <= kMidTileMaxPairsPerExpert * E;
-  const int tile_tokens = small ? SmallTile::kTokens / 2 : mid ? MidTile::kTokens : split ? Tile::kTokens / 2
-                                                                                          : Tile::kTokens;
+  const bool tiled = gemm == MoeGemm::kTiled, wgmma = gemm == MoeGemm::kWgmma,
+             small = split && P <= kSmallTileMaxPairsPerExpert * E, mid = !split && P <= kMidTileMaxPairsPerExpert * E;
+  const int tile_tokens = wgmma ? wg::kBM
+                          : small ? SmallTile::kTokens / 2
+                          : mid   ? MidTile::kTokens
+                          : split ? Tile::kTokens / 2
+                                  : Tile::kTokens;
+  const bool listed = tiled || wgmma;  // the kernels that take the tile list
   cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, tile_tokens,
-                            tiled ? b.tiles : nullptr, b.tile_done, tiled ? b.num_tiles : nullptr, a.experts_hit,
+                            listed ? b.tiles : nullptr, b.tile_done, listed ? b.num_tiles : nullptr, a.experts_hit,
                             stream);
   if (err == cudaSuccess)
-    err = !tiled ? RunCublas(a, b, stream)
+    err = wgmma   ? RunWgmma(a, b, stream)
+          : !tiled ? RunCublas(a, b, stream)
           : small ? RunTiled<SmallTile>(a, b, stream)
           : mid   ? RunTiled<MidTile>(a, b, stream)
                   : RunTiled<Tile>(a, b, stream);

@@ -68,6 +68,7 @@ enum class MoeGemm {
   kAuto,  // kTiled up to kMoeTiledMaxPairsPerExpert routed pairs per expert on average, else kCublas
   kTiled,
   kCublas,
+  kWgmma,  // sm_90a: grouped wgmma kernels (experts_wgmma.cuh), tokens through the slot map, GLU fused; plain x only
 };
 // The crossover on the H200 at K3 shapes (56 experts, Zipf counts) lies between 32 pairs per expert
 // (kTiled 1.26 ms, kCublas 1.70 ms) and 64 (1.75 vs 1.63 ms).

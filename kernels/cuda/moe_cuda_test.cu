@@ -299,10 +299,10 @@ TEST(MoeExpertsCuda, MatchesCpu) {
       const auto xb = ToBf16(x);
       for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
         const std::vector<float> ref = CpuExperts(ex, cpu_experts, x, r, act);
-        for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas}) {
+        for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas, MoeGemm::kWgmma}) {
           const auto out = RunGpu(ex, xb, r, gemm, act, ws);
           EXPECT_LT(RelDiff(out, ref), 1e-2) << name << " D=" << D << " I=" << I << " situ=" << (act == GluAct::kSitu)
-                                             << " cublas=" << (gemm == MoeGemm::kCublas);
+                                             << " gemm=" << static_cast<int>(gemm);
         }
       }
     }
@@ -335,6 +335,7 @@ TEST(MoeExpertsCuda, SplitMatchesCpuInFp32) {
         a.act = act, a.situ_beta = 4.0f, a.situ_linear_beta = 25.0f, a.out_f32 = out.get();
         ASSERT_EQ(ws.Reserve(r.N * r.k, D, I, E), cudaSuccess);
         EXPECT_EQ(MoeExperts(a, MoeGemm::kCublas, ws, nullptr), cudaErrorInvalidValue);  // tiled only
+        EXPECT_EQ(MoeExperts(a, MoeGemm::kWgmma, ws, nullptr), cudaErrorInvalidValue);
         ASSERT_EQ(MoeExperts(a, MoeGemm::kAuto, ws, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         EXPECT_LT(RelDiff(out.ToHost(), ref), 1e-4) << name << " D=" << D << " I=" << I << " situ=" << (act == GluAct::kSitu);
@@ -389,9 +390,9 @@ TEST(MoeExpertsCuda, ReproducibleAndPathsAgree) {
   }
   auto x = Random(r.N * ex.D, 41);
   const auto xb = ToBf16(x);
-  for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas}) {
+  for (MoeGemm gemm : {MoeGemm::kTiled, MoeGemm::kCublas, MoeGemm::kWgmma}) {
     const auto a = RunGpu(ex, xb, r, gemm, GluAct::kSitu, ws), b = RunGpu(ex, xb, r, gemm, GluAct::kSitu, ws);
-    EXPECT_EQ(a, b) << "cublas=" << (gemm == MoeGemm::kCublas);
+    EXPECT_EQ(a, b) << "gemm=" << static_cast<int>(gemm);
   }
   EXPECT_LT(RelDiff(RunGpu(ex, xb, r, MoeGemm::kTiled, GluAct::kSitu, ws),
                     RunGpu(ex, xb, r, MoeGemm::kCublas, GluAct::kSitu, ws)),

@@ -1,0 +1,201 @@
+// Grouped expert GEMMs on the Hopper tensor cores (sm_90a) for many tokens per expert: included by experts.cu
+// (it uses that file's TileArgs-free helpers: GLU, the slot map, the tile list the permutation writes).
+//
+// A CTA takes 128 slots of one expert (its tile of the permutation) × 256 output columns — gate/up: 128 features
+// of W1 and the same 128 of W3, so a thread holds a feature's gate and up sums and applies the GLU in registers;
+// down: 256 features of W2 — over K in 64-wide steps. Warpgroup 0 copies: token rows through the slot map
+// (gathered, so x is never copied out) and weight rows, by cp.async into a 4-stage ring in the 128-byte-swizzled
+// layout wgmma reads; each copier's arrivals on a stage's barrier complete when its copies land. Warpgroups 1
+// and 2 multiply 64 slots each with m64n256k16 (128 fp32 accumulators a thread) and free a stage once the MMAs
+// that read it are done; a warpgroup whose 64 slots are past the expert's segment skips its MMAs. The grid is
+// persistent: items (tile, column block) in turn, the ring running on across items, so the next item's copies
+// overlap an item's epilogue. No host synchronization: graph-capturable.
+#pragma once
+
+#include "kernels/cuda/wgmma.cuh"
+
+namespace k3::cuda {
+namespace {
+
+namespace wg {
+constexpr int kBM = 128, kBN = 256, kStages = 4;  // k steps of experts.cu's kBK = 64: one swizzled row
+static_assert(kBK * 2 == wgmma::kRowBytes, "a k step is one 128-byte row");
+constexpr int kABytes = kBM * wgmma::kRowBytes, kBBytes = kBN * wgmma::kRowBytes;  // 16 KB, 32 KB
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kSmem = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // ring, alignment, full/empty barriers
+constexpr int kThreads = 384;
+constexpr int kCopierRegs = 72, kMmaRegs = 216;  // 128·72 + 256·216 ≤ 64K registers; no spills
+}  // namespace wg
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(ptx::SmemAddr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(ptx::SmemAddr(bar)) : "memory");
+}
+__device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(ptx::SmemAddr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Waits for the completion of the barrier's phase with this parity (the phase before the first: at once).
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  while (!MbarTryWait(bar, parity)) {
+  }
+}
+// This thread's cp.asyncs issued so far arrive on bar when they complete (counted in the barrier's init count).
+__device__ __forceinline__ void CpAsyncArrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ptx::SmemAddr(bar)) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void RegsUpTo() {
+  K3_WGMMA_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void RegsDownTo() {
+  K3_WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+struct WgArgs {
+  int K;                      // reduction width: D (gate/up) or I (down)
+  int M;                      // output features: I (gate/up) or D (down)
+  const bf16* const* wa;      // W1 (gate/up) or W2 (down), [M, K] per expert
+  const bf16* const* wb;      // W3 (gate/up)
+  const bf16* src;            // x [N, K] (gate/up) or h [P, K] (down)
+  const int32_t* slot_pair;   // gate/up: row of slot s is slot_pair[s] / top_k; down: null, row = s
+  int top_k;
+  const int2* tiles;          // {expert, first slot} per 128-slot tile
+  const int32_t* num_tiles;
+  const int32_t* offsets;
+  int col_blocks;             // output column blocks per tile
+  bf16* dst;                  // h [P, I] or y [P, D]
+  GluAct act;
+  float beta1, beta2;
+};
+
+template <bool kGlu>
+__global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
+  PdlEnter();
+  using namespace wg;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  const int tid = threadIdx.x, group = tid / 128;
+  if (tid == 0)
+    for (int s = 0; s < kStages; ++s) MbarInit(full + s, 128), MbarInit(empty + s, 8);  // copiers; MMA warps
+  __syncthreads();
+  const int items = *a.num_tiles * a.col_blocks, K = a.K, M = a.M, KT = (K + kBK - 1) / kBK;
+  int stage = 0;
+  uint32_t phase = 0;
+  auto advance = [&] {
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  };
+
+  if (group == 0) {  // ------------------------------------------------------------------------------ copier
+    RegsDownTo<kCopierRegs>();
+    const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int2 t = a.tiles[item / a.col_blocks];
+      const int e = t.x, s0 = t.y, s_end = a.offsets[e + 1], col0 = item % a.col_blocks * (kGlu ? kBN / 2 : kBN);
+      int32_t src_row[kBM / 16];  // −1: past the segment (zeros)
+#pragma unroll
+      for (int i = 0; i < kBM / 16; ++i) {
+        const int s = s0 + r0 + 16 * i;
+        src_row[i] = s >= s_end ? -1 : a.slot_pair ? a.slot_pair[s] / a.top_k : s;
+      }
+      // B rows r0 + 16·i: gate/up i < 8 from W1, i ≥ 8 the same features of W3.
+      const bf16* w_lo = a.wa[e];
+      const bf16* w_hi = kGlu ? a.wb[e] : w_lo;
+      for (int kt = 0; kt < KT; ++kt) {
+        MbarWait(empty + stage, phase ^ 1);
+        unsigned char* sa = smem + stage * kStageBytes;
+        bf16* ta = reinterpret_cast<bf16*>(sa);
+        bf16* tb = reinterpret_cast<bf16*>(sa + kABytes);
+        const int k = kt * kBK + c * 8;
+        const bool k_in = k < K;
+#pragma unroll
+        for (int i = 0; i < kBM / 16; ++i) {
+          const bool ok = k_in && src_row[i] >= 0;
+          ptx::CpAsync16(ta + wgmma::Swz(r0 + 16 * i, c), ok ? a.src + int64_t{src_row[i]} * K + k : a.src,
+                         ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < kBN / 16; ++i) {
+          const int n = r0 + 16 * i, f = col0 + (kGlu ? n & (kBN / 2 - 1) : n);
+          const bool ok = k_in && f < M;
+          // 32-bit offsets within one expert's matrix (< 2^31 elements): fewer registers for the copiers.
+          const bf16* w = kGlu && n >= kBN / 2 ? w_hi : w_lo;
+          ptx::CpAsync16(tb + wgmma::Swz(n, c), w + (ok ? f * K + k : 0), ok ? 16 : 0);
+        }
+        CpAsyncArrive(full + stage);
+        advance();
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------ MMA warpgroups
+  RegsUpTo<kMmaRegs>();
+  const int half = group - 1, warp = (tid >> 5) & 3, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int2 t = a.tiles[item / a.col_blocks];
+    const int e = t.x, s0 = t.y, s_end = a.offsets[e + 1], col0 = item % a.col_blocks * (kGlu ? kBN / 2 : kBN);
+    const bool live = s0 + 64 * half < s_end;  // any of this warpgroup's 64 slots in the segment
+    float acc[kBN / 2];
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+    int prev = -1;
+    for (int kt = 0; kt < KT; ++kt) {
+      MbarWait(full + stage, phase);
+      if (live) {
+        wgmma::FenceProxyAsync();  // the copiers' cp.async writes, seen by the MMAs' async proxy
+        const uint32_t sa = ptx::SmemAddr(smem + stage * kStageBytes) + half * 64 * wgmma::kRowBytes;
+        const uint32_t sb = ptx::SmemAddr(smem + stage * kStageBytes + kABytes);
+        wgmma::FenceRegs(acc);
+        wgmma::Fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) wgmma::Mma<kBN>(acc, wgmma::Desc(sa + 32 * kk), wgmma::Desc(sb + 32 * kk));
+        wgmma::Commit();
+        wgmma::Wait<1>();  // the MMAs of the previous stage are done
+        wgmma::FenceRegs(acc);
+      }
+      if (prev >= 0 && lane == 0) MbarArrive(empty + prev);
+      prev = stage;
+      advance();
+    }
+    if (live) {
+      wgmma::Wait<0>();
+      wgmma::FenceRegs(acc);
+    }
+    if (prev >= 0 && lane == 0) MbarArrive(empty + prev);
+    if (!live) continue;
+
+    // Accumulator (row 16·warp + gid [+ 8], column 8j + 2tig [+ 1]) = acc[4j + (0, 1) (+ 2)].
+#pragma unroll
+    for (int h8 = 0; h8 < 2; ++h8) {
+      const int s = s0 + 64 * half + 16 * warp + gid + 8 * h8;
+      if (s >= s_end) continue;
+      bf16* row = a.dst + int64_t{s} * M;
+#pragma unroll
+      for (int j = 0; j < (kGlu ? kBN / 16 : kBN / 8); ++j) {
+        const int col = col0 + 8 * j + 2 * tig;
+        if (col >= M) continue;  // M is even: col + 1 < M too
+        float v0 = acc[4 * j + 2 * h8], v1 = acc[4 * j + 2 * h8 + 1];
+        if (kGlu) {
+          v0 = Glu(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, a.beta2);
+          v1 = Glu(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, a.beta2);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(row + col) = __floats2bfloat162_rn(v0, v1);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace k3::cuda
