@@ -196,7 +196,7 @@ constexpr double kZipfS = 1.0;
 // The routed experts at K3 latent shapes (ℓ 3584, I 3072, 56 experts on one GPU), bf16, SiTU, weights in
 // 3·56 separate matrices passed by pointer. N = 28·avg tokens with k = 2 pairs each over Zipf(1.0) counts;
 // tokens are shuffled so that an expert's tokens are scattered through x.
-void BenchExperts(int iters, std::vector<MoeResult>& results) {
+void BenchExperts(int iters, int64_t only_avg, std::vector<MoeResult>& results) {
   const int64_t E = 56, D = 3584, I = 3072, k = 2;
   auto* w1 = Alloc<__nv_bfloat16>(E * I * D);
   auto* w3 = Alloc<__nv_bfloat16>(E * I * D);
@@ -212,6 +212,7 @@ void BenchExperts(int iters, std::vector<MoeResult>& results) {
   CHECK(cudaMemcpy(p2, h2.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
   const double weight_bytes = 3.0 * E * D * I * 2;
   for (int64_t avg : {8, 32, 64, 512}) {
+    if (only_avg != 0 && avg != only_avg) continue;
     const auto counts = ZipfCounts(E, avg, kZipfS);
     const int64_t P = E * avg, N = P / k;
     std::vector<int32_t> perm(N), idx(N * k);
@@ -300,6 +301,7 @@ double AnchorMs(const nlohmann::json& anchors, const std::string& name) {
 int main(int argc, char** argv) {
   std::string anchors_path, torch_anchors_path, json_path, only;
   int iters = 20;
+  int64_t only_avg = 0;  // experts: one average of tokens per expert (0: all)
   auto family = [](const std::string& name) { return name == "kda" || name == "moe"; };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -308,10 +310,11 @@ int main(int argc, char** argv) {
     else if (arg == "--only" && i + 1 < argc && family(argv[i + 1])) only = argv[++i];
     else if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (arg == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
+    else if (arg == "--avg" && i + 1 < argc) only_avg = std::atoll(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: %s [--anchors fla.json] [--torch-anchors torch.json] [--only kda|moe] [--json out.json] "
-                   "[--iters N]\n",
+                   "[--iters N] [--avg tokens-per-expert]\n",
                    argv[0]);
       return 2;
     }
@@ -371,7 +374,7 @@ int main(int argc, char** argv) {
   if (run_moe) {
     gemm_tflops = GemmPeakTflops();
     std::printf("dense bf16 GEMM (cuBLAS 8192^3): %.0f TFLOP/s\n", gemm_tflops);
-    BenchExperts(iters, moe_results);
+    BenchExperts(iters, only_avg, moe_results);
     BenchRouter(iters, moe_results);
   }
 
