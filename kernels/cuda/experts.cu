@@ -17,6 +17,7 @@
 // kBlasStreams side streams, largest experts first, each to the stream with the fewest tokens so far, so
 // that the small GEMMs of the Zipf tail run side by side. cuBLAS picks its kernel per shape.
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels/cuda/cuda_try.cuh"
@@ -482,11 +483,12 @@ cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaS
 namespace k3::cuda {
 namespace {
 
-cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
+template <int kV>
+cudaError_t RunWgmmaV(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
   static const cudaError_t attr = [] {
     constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true>, kAttr, wg::kSmem);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false>, kAttr, wg::kSmem);
+    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true, kV>, kAttr, wg::kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false, kV>, kAttr, wg::kSmem);
     return err;
   }();
   K3_CUDA_TRY(attr);
@@ -502,14 +504,29 @@ cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
   t.col_blocks = static_cast<int>((a.I + wg::kBN / 2 - 1) / (wg::kBN / 2));
   unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true>, grid, wg::kThreads, wg::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true, kV>, grid, wg::kThreads, wg::kSmem, stream, t));
   // down → y: 256 features of W2 per item
   t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
   t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
   t.col_blocks = static_cast<int>((a.D + wg::kBN - 1) / wg::kBN);
   grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false>, grid, wg::kThreads, wg::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false, kV>, grid, wg::kThreads, wg::kSmem, stream, t));
   return cudaGetLastError();
+}
+
+// TEMPORARY (measurement): K3_WG_VARIANT picks the kernel variant (bits: uniform role, fast GLU, 16-byte stores).
+cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
+  static const int v = [] {
+    const char* e = std::getenv("K3_WG_VARIANT");
+    return e ? std::atoi(e) : 7;
+  }();
+  switch (v) {
+    case 0: return RunWgmmaV<0>(a, b, stream);
+    case 1: return RunWgmmaV<1>(a, b, stream);
+    case 3: return RunWgmmaV<3>(a, b, stream);
+    case 5: return RunWgmmaV<5>(a, b, stream);
+    default: return RunWgmmaV<7>(a, b, stream);
+  }
 }
 
 // 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 128 KB of weights in flight.

@@ -77,7 +77,40 @@ struct WgArgs {
   float beta1, beta2;
 };
 
-template <bool kGlu>
+// The gated activation in the epilogue on the special-function unit's approximations (tanh.approx, ex2.approx,
+// rcp.approx: relative errors near 2^-11, under the bf16 rounding of h that follows): 4 MUFU operations per output
+// instead of the library tanhf / expf / division's ~6 plus ~50 FMA-pipe instructions, which with 64 outputs per
+// thread and the tensor cores idle meanwhile cost several percent of an item.
+__device__ __forceinline__ float TanhApprox(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float GluFast(GluAct act, float g, float u, float b1, float inv_b1, float b2,
+                                         float inv_b2) {
+  const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
+  if (act == GluAct::kSilu) return g * sig * u;
+  return b1 * TanhApprox(g * inv_b1) * sig * (b2 * TanhApprox(u * inv_b2));
+}
+
+// 4 × 4 transpose of 32-bit words across the 4 lanes of a quad (lanes 4·gid + tig): on entry lane t holds
+// x[j] = word (t, j), on exit x[i] = word (i, t). Two butterfly steps of two shuffles each.
+__device__ __forceinline__ void QuadTranspose(uint32_t (&x)[4], int tig) {
+  const bool odd = tig & 1, high = tig & 2;
+#pragma unroll
+  for (int p = 0; p < 4; p += 2) {  // step 1: swap the off-parity words of lane pairs (t, t ^ 1)
+    const uint32_t r = __shfl_xor_sync(0xffffffffu, odd ? x[p] : x[p + 1], 1);
+    if (odd) x[p] = r; else x[p + 1] = r;
+  }
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {  // step 2: swap the off-half word pairs of lanes (t, t ^ 2)
+    const uint32_t r = __shfl_xor_sync(0xffffffffu, high ? x[p] : x[p + 2], 2);
+    if (high) x[p] = r; else x[p + 2] = r;
+  }
+}
+
+// kV (measurement variants): bit 0 role as warp-uniform value, bit 1 fast GLU, bit 2 16-byte stores.
+template <bool kGlu, int kV>
 __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
   PdlEnter();
   using namespace wg;
@@ -86,7 +119,9 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
-  const int tid = threadIdx.x, group = tid / 128;
+  // The role through a shuffle: ptxas then knows it is warp-uniform, so the MMA branch is not a divergent path
+  // (where it would serialize the wgmmas: warning C7518).
+  const int tid = threadIdx.x, group = (kV & 1) ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
   if (tid == 0)
     for (int s = 0; s < kStages; ++s) MbarInit(full + s, 128), MbarInit(empty + s, 8);  // copiers; MMA warps
   __syncthreads();
@@ -125,7 +160,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
           ptx::CpAsync16(ta + wgmma::Swz(r0 + 16 * i, c), ok ? a.src + int64_t{src_row[i]} * K + k : a.src,
                          ok ? 16 : 0);
         }
-#pragma unroll
+#pragma unroll 4  // not 16: sixteen hoisted row pointers would spill the copiers' 72 registers
         for (int i = 0; i < kBN / 16; ++i) {
           const int n = r0 + 16 * i, f = col0 + (kGlu ? n & (kBN / 2 - 1) : n);
           const bool ok = k_in && f < M;
@@ -169,7 +204,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
       prev = stage;
       advance();
     }
-    if (live) {
+    if ((kV & 1) || live) {  // a warpgroup that issued nothing waits at once
       wgmma::Wait<0>();
       wgmma::FenceRegs(acc);
     }
@@ -177,6 +212,41 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
     if (!live) continue;
 
     // Accumulator (row 16·warp + gid [+ 8], column 8j + 2tig [+ 1]) = acc[4j + (0, 1) (+ 2)].
+    if constexpr ((kV & 4) != 0) {
+      // Four n8 blocks of a row at a time, one bf16 pair of each per lane: a quad transpose gives lane tig
+      // the 8 columns of block 4q + tig, stored as 16 bytes (a quad writes 64 contiguous bytes of the row).
+      constexpr int kOutBlocks = kGlu ? kBN / 16 : kBN / 8;  // n8 blocks of output columns
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8) {
+        const int s = s0 + 64 * half + 16 * warp + gid + 8 * h8;
+        bf16* row = a.dst + int64_t{s} * M;
+#pragma unroll
+        for (int q = 0; q < kOutBlocks / 4; ++q) {
+          uint32_t x[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int j = 4 * q + jj;
+            float v0 = acc[4 * j + 2 * h8], v1 = acc[4 * j + 2 * h8 + 1];
+            if (kGlu) {
+              if constexpr ((kV & 2) != 0) {
+                v0 = GluFast(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, 1.0f / a.beta1, a.beta2,
+                             1.0f / a.beta2);
+                v1 = GluFast(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, 1.0f / a.beta1, a.beta2,
+                             1.0f / a.beta2);
+              } else {
+                v0 = Glu(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, a.beta2);
+                v1 = Glu(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, a.beta2);
+              }
+            }
+            x[jj] = ptx::PackBf16(v0, v1);
+          }
+          QuadTranspose(x, tig);
+          const int col = col0 + 8 * (4 * q + tig);
+          if (s < s_end && col < M)  // M % 8 == 0: a block is all in or all out
+            *reinterpret_cast<uint4*>(row + col) = make_uint4(x[0], x[1], x[2], x[3]);
+        }
+      }
+    } else {
 #pragma unroll
     for (int h8 = 0; h8 < 2; ++h8) {
       const int s = s0 + 64 * half + 16 * warp + gid + 8 * h8;
@@ -188,11 +258,19 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
         if (col >= M) continue;  // M is even: col + 1 < M too
         float v0 = acc[4 * j + 2 * h8], v1 = acc[4 * j + 2 * h8 + 1];
         if (kGlu) {
-          v0 = Glu(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, a.beta2);
-          v1 = Glu(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, a.beta2);
+          if constexpr ((kV & 2) != 0) {
+            v0 = GluFast(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, 1.0f / a.beta1, a.beta2,
+                         1.0f / a.beta2);
+            v1 = GluFast(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, 1.0f / a.beta1, a.beta2,
+                         1.0f / a.beta2);
+          } else {
+            v0 = Glu(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, a.beta2);
+            v1 = Glu(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, a.beta2);
+          }
         }
         *reinterpret_cast<__nv_bfloat162*>(row + col) = __floats2bfloat162_rn(v0, v1);
       }
+    }
     }
   }
 }

@@ -399,6 +399,32 @@ TEST(MoeExpertsCuda, ReproducibleAndPathsAgree) {
             1e-2);
 }
 
+// The wgmma path's persistent grid with several items per CTA (the ring running on across items, which the small
+// cases above never reach: they have fewer items than SMs): 4 experts with 1050 / 610 / 280 / 60 pairs (ragged
+// last tiles of 26, 98, 24 and 60 slots: three with their second 64-slot half empty), D = I = 2048: 18 tiles,
+// 288 gate/up and 144 down items; against cuBLAS, and run to run.
+TEST(MoeExpertsCuda, WgmmaManyItemsPerCtaAgreesWithCublas) {
+  REQUIRE_GPU();
+  MoeWorkspace ws;
+  const Experts ex(4, 2048, 2048, 300);
+  const int64_t counts[4] = {1050, 610, 280, 60};
+  Routing r{1000, 2, {}, {}};
+  std::vector<int32_t> pairs;
+  for (int32_t e = 0; e < 4; ++e) pairs.insert(pairs.end(), counts[e], e);
+  std::mt19937 rng(11);
+  std::shuffle(pairs.begin(), pairs.end(), rng);
+  r.idx = pairs;
+  for (int64_t i = 0; i < r.N * r.k; ++i) r.w.push_back(0.1f + (rng() % 1000) / 1000.0f);
+  auto x = Random(r.N * ex.D, 42);
+  const auto xb = ToBf16(x);
+  for (GluAct act : {GluAct::kSilu, GluAct::kSitu}) {
+    const auto ref = RunGpu(ex, xb, r, MoeGemm::kCublas, act, ws);
+    const auto a = RunGpu(ex, xb, r, MoeGemm::kWgmma, act, ws), b = RunGpu(ex, xb, r, MoeGemm::kWgmma, act, ws);
+    EXPECT_LT(RelDiff(a, ref), 1e-2) << "situ=" << (act == GluAct::kSitu);
+    EXPECT_EQ(a, b) << "situ=" << (act == GluAct::kSitu);
+  }
+}
+
 TEST(MoeExpertsCuda, EmptyBatchAndBadShapes) {
   REQUIRE_GPU();
   MoeWorkspace ws;
