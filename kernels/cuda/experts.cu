@@ -17,7 +17,6 @@
 // kBlasStreams side streams, largest experts first, each to the stream with the fewest tokens so far, so
 // that the small GEMMs of the Zipf tail run side by side. cuBLAS picks its kernel per shape.
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
 #include "kernels/cuda/cuda_try.cuh"
@@ -37,7 +36,7 @@ struct MoeWorkspace::Buffers {
   int32_t* pair_slot = nullptr;  // [P]
   int2* tiles = nullptr;         // [E + P / 8]: {expert, first slot}
   int32_t* tile_done = nullptr;  // [E + P / 8]: gate/up CTAs finished, per tile
-  int32_t* num_tiles = nullptr;  // [3]: tiles; the wgmma gate/up and down kernels' claimed items
+  int32_t* num_tiles = nullptr;  // [1]
   bf16* h = nullptr;             // [P, I]
   bf16* y = nullptr;             // [P, D]
   // The cuBLAS path, allocated on its first use.
@@ -148,7 +147,7 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
     offsets[e] = start;
     if (last) {
       offsets[E] = start + count;
-      if (num_tiles) num_tiles[0] = tile0 + my_tiles, num_tiles[1] = num_tiles[2] = 0;  // + the work counters
+      if (num_tiles) *num_tiles = tile0 + my_tiles;
       if (experts_hit) *experts_hit = hit0 + (count > 0);
     }
   }
@@ -483,12 +482,11 @@ cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaS
 namespace k3::cuda {
 namespace {
 
-template <int kV>
-cudaError_t RunWgmmaV(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
+cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
   static const cudaError_t attr = [] {
     constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true, kV>, kAttr, wg::kSmem);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false, kV>, kAttr, wg::kSmem);
+    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true>, kAttr, wg::kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false>, kAttr, wg::kSmem);
     return err;
   }();
   K3_CUDA_TRY(attr);
@@ -499,36 +497,19 @@ cudaError_t RunWgmmaV(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStr
   t.top_k = static_cast<int>(a.top_k);
   t.tiles = b.tiles, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
   t.act = a.act, t.beta1 = a.situ_beta, t.beta2 = a.situ_linear_beta;
-  t.work = b.num_tiles + 1;
   // gate/up → h: 128 features of W1 and W3 per item
   t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
   t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
   t.col_blocks = static_cast<int>((a.I + wg::kBN / 2 - 1) / (wg::kBN / 2));
   unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true, kV>, grid, wg::kThreads, wg::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true>, grid, wg::kThreads, wg::kSmem, stream, t));
   // down → y: 256 features of W2 per item
   t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
   t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
-  t.work = b.num_tiles + 2;
   t.col_blocks = static_cast<int>((a.D + wg::kBN - 1) / wg::kBN);
   grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false, kV>, grid, wg::kThreads, wg::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false>, grid, wg::kThreads, wg::kSmem, stream, t));
   return cudaGetLastError();
-}
-
-// TEMPORARY (measurement): K3_WG_VARIANT picks the kernel variant (bits 3-6: raster, dynamic, σ-tanh, no skip).
-cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
-  static const int v = [] {
-    const char* e = std::getenv("K3_WG_VARIANT");
-    return e ? std::atoi(e) : 7;
-  }();
-  switch (v) {
-    case 15: return RunWgmmaV<15>(a, b, stream);
-    case 23: return RunWgmmaV<23>(a, b, stream);
-    case 31: return RunWgmmaV<31>(a, b, stream);
-    case 63: return RunWgmmaV<63>(a, b, stream);
-    default: return RunWgmmaV<7>(a, b, stream);
-  }
 }
 
 // 128 weight rows × 64 tokens, 4 stages (96 KB): 2 CTAs and 16 warps per SM, 128 KB of weights in flight.
@@ -702,7 +683,7 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   const int64_t max_tiles = E + P / (SmallTile::kTokens / 2) + 1;  // the smallest tiles: the longest list
   if (err == cudaSuccess) err = cudaMalloc(&b.tiles, max_tiles * sizeof(int2));
   if (err == cudaSuccess) err = cudaMalloc(&b.tile_done, max_tiles * sizeof(int32_t));
-  if (err == cudaSuccess) err = cudaMalloc(&b.num_tiles, 3 * sizeof(int32_t));
+  if (err == cudaSuccess) err = cudaMalloc(&b.num_tiles, sizeof(int32_t));
   // h and y with a second plane for the split path.
   if (err == cudaSuccess) err = cudaMalloc(&b.h, 2 * Pc * std::max<int64_t>(I, 1) * sizeof(bf16));
   if (err == cudaSuccess) err = cudaMalloc(&b.y, 2 * Pc * std::max<int64_t>(D, 1) * sizeof(bf16));
