@@ -211,7 +211,7 @@ void BenchExperts(int iters, int64_t only_avg, std::vector<MoeResult>& results) 
   CHECK(cudaMemcpy(p3, h3.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(p2, h2.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
   const double weight_bytes = 3.0 * E * D * I * 2;
-  for (int64_t avg : {8, 32, 64, 512}) {
+  for (int64_t avg : {8, 16, 32, 64, 128, 256, 512}) {
     if (only_avg != 0 && avg != only_avg) continue;
     const auto counts = ZipfCounts(E, avg, kZipfS);
     const int64_t P = E * avg, N = P / k;

@@ -482,7 +482,11 @@ cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaS
 namespace k3::cuda {
 namespace {
 
+// The wgmma copiers index an expert's weight matrix with 32-bit offsets.
+bool WgmmaFits(const MoeExpertsArgs& a) { return a.D * a.I < (int64_t{1} << 31); }
+
 cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
+  if (!WgmmaFits(a)) return cudaErrorInvalidValue;
   static const cudaError_t attr = [] {
     constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
     cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true>, kAttr, wg::kSmem);
@@ -711,8 +715,9 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
       P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E ||
       (split && (gemm == MoeGemm::kCublas || gemm == MoeGemm::kWgmma)))
     return cudaErrorInvalidValue;
+  if (gemm == MoeGemm::kAuto && split) gemm = MoeGemm::kTiled;
   if (gemm == MoeGemm::kAuto)
-    gemm = split || P <= kMoeTiledMaxPairsPerExpert * E ? MoeGemm::kTiled : MoeGemm::kCublas;
+    gemm = P <= kMoeWgmmaMaxPairsPerExpert * E && WgmmaFits(a) ? MoeGemm::kWgmma : MoeGemm::kCublas;
   const bool tiled = gemm == MoeGemm::kTiled, wgmma = gemm == MoeGemm::kWgmma,
              small = split && P <= kSmallTileMaxPairsPerExpert * E, mid = !split && P <= kMidTileMaxPairsPerExpert * E;
   const int tile_tokens = wgmma ? wg::kBM

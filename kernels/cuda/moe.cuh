@@ -65,14 +65,16 @@ cudaError_t RouterLogits(cublasHandle_t blas, int64_t N, int64_t d, int64_t E, c
 // --------------------------------------------------------------------------------------------- experts
 
 enum class MoeGemm {
-  kAuto,  // kTiled up to kMoeTiledMaxPairsPerExpert routed pairs per expert on average, else kCublas
-  kTiled,
+  kAuto,   // split x: kTiled; plain x: kWgmma up to kMoeWgmmaMaxPairsPerExpert routed pairs per expert on average,
+           // else kCublas
+  kTiled,  // weight-streaming mma.sync tiles (decode sizes; the only kernels that take a split x)
   kCublas,
   kWgmma,  // sm_90a: grouped wgmma kernels (experts_wgmma.cuh), tokens through the slot map, GLU fused; plain x only
 };
-// The crossover on the H200 at K3 shapes (56 experts, Zipf counts) lies between 32 pairs per expert
-// (kTiled 1.26 ms, kCublas 1.70 ms) and 64 (1.75 vs 1.63 ms).
-constexpr int64_t kMoeTiledMaxPairsPerExpert = 48;
+// At K3 shapes on the H200 (56 experts, Zipf counts; k3serve-bench-kernels, the same run): kWgmma is the fastest
+// from 8 pairs per expert (0.92 ms against kTiled's 0.95) to 128 (1.39 against kCublas's 1.61); they tie at 256
+// (2.22 / 2.20 ms); kCublas is ahead at 512 (3.76 against 4.20).
+constexpr int64_t kMoeWgmmaMaxPairsPerExpert = 256;
 
 struct MoeExpertsArgs {
   int64_t N = 0;            // tokens

@@ -58,7 +58,7 @@ def main():
         E, D, I = 56, 3584, 3072
         w1, w3 = randn(E, I, D, scale=0.02), randn(E, I, D, scale=0.02)
         w2 = randn(E, D, I, scale=0.02)
-        for T in (8, 32, 64, 512):
+        for T in (8, 16, 32, 64, 128, 256, 512):
             x = randn(E, T, D)
             h = randn(E, T, I)
             g = torch.empty(E, T, I, device="cuda", dtype=torch.bfloat16)
