@@ -367,13 +367,14 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
 // --------------------------------------------------------------------------------- elementwise passes
 
 // xs[s] = x[slot_pair[s] / k] for s < rows, in 16-byte chunks.
+// The row loops below take a row per CTA and its 16-byte chunks across the threads: no 64-bit division per
+// chunk (the flat index's i / chunks made these passes instruction-bound: 1.25 TB/s for the gather at avg 512).
 __global__ void GatherRowsKernel(int64_t rows, int chunks, const int4* x, const int32_t* slot_pair, int top_k,
                                  int4* xs) {
   PdlEnter();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * chunks;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t s = i / chunks, c = i % chunks;
-    xs[i] = x[static_cast<int64_t>(slot_pair[s] / top_k) * chunks + c];
+  for (int64_t s = blockIdx.x; s < rows; s += gridDim.x) {
+    const int4* src = x + static_cast<int64_t>(slot_pair[s] / top_k) * chunks;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) xs[s * chunks + c] = src[c];
   }
 }
 
@@ -394,19 +395,20 @@ __device__ __forceinline__ int4 Pack(const float (&f)[8]) {
 }
 
 // h[s, i] = act(gu[s, i], gu[s, I + i]) for the slots s_begin ≤ s < s_begin + rows, 8 features at a time.
+// h = act(gate, up) of rows [s_begin, s_begin + rows) of gu, on GluApprox: h is plain bf16 (the cuBLAS path).
 __global__ void GluRowsKernel(int64_t s_begin, int64_t rows, int chunks, const int4* gu, GluAct act, float b1,
                               float b2, int4* h) {
   PdlEnter();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * chunks;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t s = s_begin + i / chunks, c = i % chunks;
-    float g[8], u[8], o[8];
-    Unpack(gu[s * 2 * chunks + c], g);
-    Unpack(gu[s * 2 * chunks + chunks + c], u);
+  const float inv_b1 = 1.0f / b1, inv_b2 = 1.0f / b2;
+  for (int64_t s = s_begin + blockIdx.x; s < s_begin + rows; s += gridDim.x)
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float g[8], u[8], o[8];
+      Unpack(gu[s * 2 * chunks + c], g);
+      Unpack(gu[s * 2 * chunks + chunks + c], u);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = Glu(act, g[j], u[j], b1, b2);
-    h[s * chunks + c] = Pack(o);
-  }
+      for (int j = 0; j < 8; ++j) o[j] = GluApprox(act, g[j], u[j], b1, inv_b1, b2, inv_b2);
+      h[s * chunks + c] = Pack(o);
+    }
 }
 
 // acc = Σ_j w[n, j] · y[pair_slot[n·k + j]] in j order, columns 8c .. 8c + 7 of y's 16-byte chunks; y_lo_chunks
@@ -431,25 +433,26 @@ __device__ __forceinline__ void CombineChunk(int64_t n, int64_t c, int chunks, i
 __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
                               const int4* y, int4* out) {
   PdlEnter();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    float acc[8];
-    CombineChunk(i / chunks, i % chunks, chunks, top_k, pair_slot, w, y, 0, acc);
-    out[i] = Pack(acc);
-  }
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x)
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float acc[8];
+      CombineChunk(n, c, chunks, top_k, pair_slot, w, y, 0, acc);
+      out[n * chunks + c] = Pack(acc);
+    }
 }
 
 // y_lo_chunks: the lo plane's offset, a whole number of chunks (the planes are [max_pairs, D], D % 8 == 0).
 __global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
                                    const int4* y, int64_t y_lo_chunks, float4* out) {
   PdlEnter();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N * chunks;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    float acc[8];
-    CombineChunk(i / chunks, i % chunks, chunks, top_k, pair_slot, w, y, y_lo_chunks, acc);
-    out[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    out[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-  }
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x)
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float acc[8];
+      CombineChunk(n, c, chunks, top_k, pair_slot, w, y, y_lo_chunks, acc);
+      const int64_t i = n * chunks + c;
+      out[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      out[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
 }
 
 // The cuBLAS path's pointer arrays for the (W1, W3) problem pair of each expert: A = the weights, B = its
@@ -468,8 +471,9 @@ __global__ void GateUpPointersKernel(int E, const int32_t* offsets, const bf16* 
   C[2 * e] = gu + off * 2 * I, C[2 * e + 1] = gu + off * 2 * I + I;
 }
 
-unsigned GridFor(int64_t work, int threads) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + threads - 1) / threads, 132 * 16)));
+// CTAs for a row loop: a row each, up to 16 per SM of an H200.
+unsigned RowGrid(int64_t rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, 132 * 16)));
 }
 
 cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
@@ -610,7 +614,7 @@ cudaError_t RunCublas(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStr
     if (n == 0) break;
     const int q = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     load[q] += n;
-    err = LaunchKernel(GatherRowsKernel, GridFor(n * chunks_d, 256), 256, 0, b.side[q], n, chunks_d,
+    err = LaunchKernel(GatherRowsKernel, RowGrid(n), 256, 0, b.side[q], n, chunks_d,
                        reinterpret_cast<const int4*>(a.x), b.slot_pair + off, static_cast<int>(a.top_k),
                        reinterpret_cast<int4*>(b.xs + off * D));
     if (err != cudaSuccess) break;
@@ -621,7 +625,7 @@ cudaError_t RunCublas(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStr
                                    const_cast<void* const*>(A + 4 * E + 2 * e), CUDA_R_16BF, static_cast<int>(2 * I),
                                    2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (err != cudaSuccess) break;
-    err = LaunchKernel(GluRowsKernel, GridFor(n * chunks_i, 256), 256, 0, b.side[q], off, n, chunks_i,
+    err = LaunchKernel(GluRowsKernel, RowGrid(n), 256, 0, b.side[q], off, n, chunks_i,
                        reinterpret_cast<const int4*>(b.gu), a.act, a.situ_beta, a.situ_linear_beta,
                        reinterpret_cast<int4*>(b.h));
     if (err != cudaSuccess) break;
@@ -738,12 +742,12 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
   if (err != cudaSuccess) return err;
   const int chunks = static_cast<int>(a.D / 8);
   if (split) {
-    K3_CUDA_TRY(LaunchKernel(CombineSplitKernel, GridFor(a.N * chunks, 256), 256, 0, stream, a.N, chunks,
+    K3_CUDA_TRY(LaunchKernel(CombineSplitKernel, RowGrid(a.N), 128, 0, stream, a.N, chunks,
                              static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
                              b.max_pairs * b.D / 8, reinterpret_cast<float4*>(a.out_f32)));
     return cudaGetLastError();
   }
-  K3_CUDA_TRY(LaunchKernel(CombineKernel, GridFor(a.N * chunks, 256), 256, 0, stream, a.N, chunks,
+  K3_CUDA_TRY(LaunchKernel(CombineKernel, RowGrid(a.N), 256, 0, stream, a.N, chunks,
                            static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
                            reinterpret_cast<int4*>(a.out)));
   return cudaGetLastError();

@@ -77,21 +77,8 @@ struct WgArgs {
   float beta1, beta2;
 };
 
-// The gated activation in the epilogue on the special-function unit's approximations (tanh.approx, ex2.approx,
-// rcp.approx: relative errors near 2^-11, under the bf16 rounding of h that follows): 4 MUFU operations per output
-// instead of the library tanhf / expf / division's ~6 plus ~50 FMA-pipe instructions. With 64 outputs a thread
-// and the tensor cores idle meanwhile, that was worth ~8% of the whole experts at avg 512 (H200).
-__device__ __forceinline__ float TanhApprox(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float GluFast(GluAct act, float g, float u, float b1, float inv_b1, float b2,
-                                         float inv_b2) {
-  const float sig = __fdividef(1.0f, 1.0f + __expf(-g));
-  if (act == GluAct::kSilu) return g * sig * u;
-  return b1 * TanhApprox(g * inv_b1) * sig * (b2 * TanhApprox(u * inv_b2));
-}
+// The gated activation in the epilogue is glu.cuh's GluApprox: with 64 outputs a thread and the tensor cores idle
+// meanwhile, the library tanhf / expf / divisions cost ~8% of the whole experts at avg 512 (H200).
 
 // 4 × 4 transpose of 32-bit words across the 4 lanes of a quad (lanes 4·gid + tig): on entry lane t holds
 // x[j] = word (t, j), on exit x[i] = word (i, t). Two butterfly steps of two shuffles each.
@@ -231,8 +218,8 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
           const int j = 4 * q + jj;
           float v0 = acc[4 * j + 2 * h8], v1 = acc[4 * j + 2 * h8 + 1];
           if (kGlu) {
-            v0 = GluFast(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, inv_b1, a.beta2, inv_b2);
-            v1 = GluFast(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, inv_b1, a.beta2, inv_b2);
+            v0 = GluApprox(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, inv_b1, a.beta2, inv_b2);
+            v1 = GluApprox(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, inv_b1, a.beta2, inv_b2);
           }
           x[jj] = ptx::PackBf16(v0, v1);
         }
