@@ -72,8 +72,8 @@ enum class MoeGemm {
   kWgmma,  // sm_90a: grouped wgmma kernels (experts_wgmma.cuh), tokens through the slot map, GLU fused; plain x only
 };
 // At K3 shapes on the H200 (56 experts, Zipf counts; k3serve-bench-kernels, the same run): kWgmma is the fastest
-// from 8 pairs per expert (0.92 ms against kTiled's 0.95) to 128 (1.39 against kCublas's 1.61); they tie at 256
-// (2.22 / 2.20 ms); kCublas is ahead at 512 (3.76 against 4.20).
+// from 8 pairs per expert (0.92 ms against kTiled's 0.95) to 128 (1.38–1.42 against kCublas's 1.54); they tie at
+// 256 (2.06–2.16 / 2.08–2.09 ms); kCublas is ahead at 512 (3.34–3.51 against 4.00–4.05).
 constexpr int64_t kMoeWgmmaMaxPairsPerExpert = 256;
 
 struct MoeExpertsArgs {
