@@ -44,6 +44,19 @@ void CheckBlas(cublasStatus_t s, const char* what) {
 }
 #define CHECK_BLAS(expr) CheckBlas((expr), #expr)
 
+// Every thread reads 16-byte words of an L2-resident buffer `reps` times (ld.global.cg: L2, not L1); the xor
+// keeps the loads.
+__global__ void L2ReadKernel(const int4* p, int64_t words, int reps, int4* sink) {
+  int4 acc = make_int4(0, 0, 0, 0);
+  for (int r = 0; r < reps; ++r)
+    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < words;
+         i += int64_t{gridDim.x} * blockDim.x) {
+      const int4 v = __ldcg(p + i);
+      acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+  if ((acc.x & acc.y & acc.z & acc.w) == 0x7fffffff) *sink = acc;
+}
+
 // Median time of one call, CUDA events around each call, after warm-up.
 double MedianMs(const std::function<void()>& f, int iters) {
   for (int i = 0; i < 3; ++i) f();
@@ -336,6 +349,23 @@ int main(int argc, char** argv) {
     CHECK(cudaFree(src));
     CHECK(cudaFree(dst));
   }
+  // What the SMs can read from L2 (a quarter of it, so the lines stay resident), for kernels that re-read tiles.
+  double l2_bw;
+  {
+    const int64_t bytes = int64_t{prop.l2CacheSize} / 4, words = bytes / 16;
+    constexpr int kReps = 50;
+    auto* p = Alloc<int4>(words);
+    auto* sink = Alloc<int4>(1);
+    CHECK(cudaMemset(p, 1, bytes));
+    const unsigned grid = static_cast<unsigned>(prop.multiProcessorCount) * 4;
+    const double ms = MedianMs([&] { L2ReadKernel<<<grid, 256>>>(p, words, kReps, sink); }, 10);
+    CHECK(cudaGetLastError());
+    l2_bw = double(bytes) * kReps / (ms * 1e-3);
+    std::printf("L2 read bandwidth: %.0f GB/s (%ld MB read %d times by %u CTAs)\n", l2_bw * 1e-9,
+                static_cast<long>(bytes >> 20), kReps, grid);
+    CHECK(cudaFree(p));
+    CHECK(cudaFree(sink));
+  }
 
   std::vector<Result> results;
   // KDA decode: one token for each of N sequences; the state is read and written once.
@@ -379,7 +409,10 @@ int main(int argc, char** argv) {
   }
 
   const nlohmann::json anchors = ReadAnchors(anchors_path), torch_anchors = ReadAnchors(torch_anchors_path);
-  nlohmann::json out = {{"device", prop.name}, {"copy_bw_gbs", copy_bw * 1e-9}, {"cases", nlohmann::json::array()}};
+  nlohmann::json out = {{"device", prop.name},
+                        {"copy_bw_gbs", copy_bw * 1e-9},
+                        {"l2_read_gbs", l2_bw * 1e-9},
+                        {"cases", nlohmann::json::array()}};
   if (run_kda)
     std::printf("\n%-28s %10s %10s %9s %10s %9s %9s\n", "case", "ours_us", "fla_us", "fla/ours", "limit_us", "GB/s",
                 "%copy_bw");
