@@ -394,8 +394,8 @@ __device__ __forceinline__ int4 Pack(const float (&f)[8]) {
   return v;
 }
 
-// h[s, i] = act(gu[s, i], gu[s, I + i]) for the slots s_begin ≤ s < s_begin + rows, 8 features at a time.
-// h = act(gate, up) of rows [s_begin, s_begin + rows) of gu, on GluApprox: h is plain bf16 (the cuBLAS path).
+// h[s, i] = act(gu[s, i], gu[s, I + i]) for the slots s_begin ≤ s < s_begin + rows, 8 features at a time, on
+// GluApprox: h is plain bf16 (the cuBLAS path).
 __global__ void GluRowsKernel(int64_t s_begin, int64_t rows, int chunks, const int4* gu, GluAct act, float b1,
                               float b2, int4* h) {
   PdlEnter();
@@ -478,6 +478,24 @@ unsigned RowGrid(int64_t rows) {
 
 cudaError_t Blas(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
+// The gate/up product's arguments (x → h) for the tiled and the wgmma kernels; ToDown turns them into the down
+// product's (h → y). A split x keeps h and y in two planes too.
+TileArgs GateUpArgs(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b) {
+  TileArgs t{};
+  t.top_k = static_cast<int>(a.top_k);
+  t.tiles = b.tiles, t.tile_done = b.tile_done, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
+  t.act = a.act, t.beta1 = a.situ_beta, t.beta2 = a.situ_linear_beta;
+  t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
+  t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
+  t.src_lo = a.x_lo, t.dst_lo = a.x_lo != 0 ? b.max_pairs * b.I : 0;
+  return t;
+}
+void ToDown(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b, TileArgs* t) {
+  t->K = static_cast<int>(a.I), t->M = static_cast<int>(a.D);
+  t->wa = a.w2, t->wb = nullptr, t->src = b.h, t->slot_pair = nullptr, t->dst = b.y;
+  t->src_lo = t->dst_lo, t->dst_lo = a.x_lo != 0 ? b.max_pairs * b.D : 0;
+}
+
 }  // namespace
 }  // namespace k3::cuda
 
@@ -501,21 +519,14 @@ cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   int sms = 0;
   K3_CUDA_TRY(SmCount(&sms));
   const int64_t P = a.N * a.top_k, max_tiles = a.num_experts + P / wg::kBM;
-  WgArgs t{};
-  t.top_k = static_cast<int>(a.top_k);
-  t.tiles = b.tiles, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
-  t.act = a.act, t.beta1 = a.situ_beta, t.beta2 = a.situ_linear_beta;
-  // gate/up → h: 128 features of W1 and W3 per item
-  t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
-  t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
-  t.col_blocks = static_cast<int>((a.I + wg::kBN / 2 - 1) / (wg::kBN / 2));
-  unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true>, grid, wg::kThreads, wg::kSmem, stream, t));
-  // down → y: 256 features of W2 per item
-  t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D);
-  t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
-  t.col_blocks = static_cast<int>((a.D + wg::kBN - 1) / wg::kBN);
-  grid = static_cast<unsigned>(std::min<int64_t>(max_tiles * t.col_blocks, sms));
+  // gate/up → h: 128 features of W1 and W3 per item; down → y: 256 features of W2 per item
+  const int64_t gate_up_items = max_tiles * ((a.I + wg::kBN / 2 - 1) / (wg::kBN / 2)),
+                down_items = max_tiles * ((a.D + wg::kBN - 1) / wg::kBN);
+  TileArgs t = GateUpArgs(a, b);
+  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true>, static_cast<unsigned>(std::min<int64_t>(gate_up_items, sms)),
+                           wg::kThreads, wg::kSmem, stream, t));
+  ToDown(a, b, &t);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(down_items, sms));
   K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false>, grid, wg::kThreads, wg::kSmem, stream, t));
   return cudaGetLastError();
 }
@@ -550,20 +561,11 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   const int64_t tile_tokens = split ? S::kTokens / 2 : S::kTokens;
   const int64_t max_tiles = E + P / tile_tokens;  // Σ ceil(count / tile_tokens) ≤ E + P / tile_tokens
   if (max_tiles > 65535) return cudaErrorInvalidValue;
-  TileArgs t{};
-  t.top_k = static_cast<int>(a.top_k);
-  t.tiles = b.tiles, t.tile_done = b.tile_done, t.num_tiles = b.num_tiles, t.offsets = b.offsets;
-  t.act = a.act, t.beta1 = a.situ_beta, t.beta2 = a.situ_linear_beta;
-  // gate/up → h
-  t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
-  t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
-  t.src_lo = a.x_lo, t.dst_lo = split ? b.max_pairs * b.I : 0;  // split: h and y keep 16 bits too
+  TileArgs t = GateUpArgs(a, b);
   dim3 grid(static_cast<unsigned>((a.I + S::kRows / 2 - 1) / (S::kRows / 2)), static_cast<unsigned>(max_tiles));
   K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<true, S>, grid, S::kThreads, S::kSmem, stream, t));
-  // down → y
-  t.K = static_cast<int>(a.I), t.M = static_cast<int>(a.D), t.done_target = static_cast<int>(grid.x);
-  t.wa = a.w2, t.wb = nullptr, t.src = b.h, t.slot_pair = nullptr, t.dst = b.y;
-  t.src_lo = t.dst_lo, t.dst_lo = split ? b.max_pairs * b.D : 0;
+  ToDown(a, b, &t);
+  t.done_target = static_cast<int>(grid.x);
   grid.x = static_cast<unsigned>((a.D + S::kRows - 1) / S::kRows);
   K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<false, S>, grid, S::kThreads, S::kSmem, stream, t));
   return cudaGetLastError();

@@ -60,23 +60,6 @@ __device__ __forceinline__ void RegsDownTo() {
   K3_WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-struct WgArgs {
-  int K;                      // reduction width: D (gate/up) or I (down)
-  int M;                      // output features: I (gate/up) or D (down)
-  const bf16* const* wa;      // W1 (gate/up) or W2 (down), [M, K] per expert
-  const bf16* const* wb;      // W3 (gate/up)
-  const bf16* src;            // x [N, K] (gate/up) or h [P, K] (down)
-  const int32_t* slot_pair;   // gate/up: row of slot s is slot_pair[s] / top_k; down: null, row = s
-  int top_k;
-  const int2* tiles;          // {expert, first slot} per 128-slot tile
-  const int32_t* num_tiles;
-  const int32_t* offsets;
-  int col_blocks;             // output column blocks per tile
-  bf16* dst;                  // h [P, I] or y [P, D]
-  GluAct act;
-  float beta1, beta2;
-};
-
 // The gated activation in the epilogue is glu.cuh's GluApprox: with 64 outputs a thread and the tensor cores idle
 // meanwhile, the library tanhf / expf / divisions cost ~8% of the whole experts at avg 512 (H200).
 
@@ -100,7 +83,7 @@ __device__ __forceinline__ void QuadTranspose(uint32_t (&x)[4], int tig) {
 // ± 100 µs of noise): bands of 16 tiles walked column-major (L2 hit rate 48% → 60%, DRAM traffic −20%, yet
 // +50..150 µs) and items claimed through an atomic counter (+350..450 µs).
 template <bool kGlu>
-__global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
+__global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a) {  // src_lo, dst_lo, tile_done: unused
   PdlEnter();
   using namespace wg;
   extern __shared__ unsigned char smem_raw[];
@@ -114,7 +97,9 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
   if (tid == 0)
     for (int s = 0; s < kStages; ++s) MbarInit(full + s, 128), MbarInit(empty + s, 8);  // copiers; MMA warps
   __syncthreads();
-  const int items = *a.num_tiles * a.col_blocks, K = a.K, M = a.M, KT = (K + kBK - 1) / kBK;
+  constexpr int kCols = kGlu ? kBN / 2 : kBN;  // output columns per item
+  const int K = a.K, M = a.M, KT = (K + kBK - 1) / kBK, col_blocks = (M + kCols - 1) / kCols;
+  const int items = *a.num_tiles * col_blocks;
   int stage = 0;
   uint32_t phase = 0;
   auto advance = [&] {
@@ -125,8 +110,8 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
     RegsDownTo<kCopierRegs>();
     const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int2 t = a.tiles[item / a.col_blocks];
-      const int e = t.x, s0 = t.y, s_end = a.offsets[e + 1], col0 = item % a.col_blocks * (kGlu ? kBN / 2 : kBN);
+      const int2 t = a.tiles[item / col_blocks];
+      const int e = t.x, s0 = t.y, s_end = a.offsets[e + 1], col0 = item % col_blocks * kCols;
       int32_t src_row[kBM / 16];  // −1: past the segment (zeros)
 #pragma unroll
       for (int i = 0; i < kBM / 16; ++i) {
@@ -169,8 +154,8 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(WgArgs a) {
   const int half = group - 1, warp = (tid >> 5) & 3, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const float inv_b1 = 1.0f / a.beta1, inv_b2 = 1.0f / a.beta2;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int2 t = a.tiles[item / a.col_blocks];
-    const int s0 = t.y, s_end = a.offsets[t.x + 1], col0 = item % a.col_blocks * (kGlu ? kBN / 2 : kBN);
+    const int2 t = a.tiles[item / col_blocks];
+    const int s0 = t.y, s_end = a.offsets[t.x + 1], col0 = item % col_blocks * kCols;
     const bool live = s0 + 64 * half < s_end;  // any of this warpgroup's 64 slots in the segment
     float acc[kBN / 2];
 #pragma unroll

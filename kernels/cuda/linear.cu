@@ -564,7 +564,6 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
   // starts right after its M hi rows (the engine lays its planes out so); else the rows are copied (stacked).
   const bool in_place = chunk == a.M && (!split || a.x.lo == a.M * a.x.ld) && Aligned(a.x.p, 256) &&
                         (a.x.ld * 2) % 16 == 0;
-  const float one = 1.0f, zero = 0.0f;
   for (int64_t r0 = 0; r0 < a.M; r0 += chunk) {
     const int64_t rows = std::min(chunk, a.M - r0), n = planes * rows;
     auto* C = reinterpret_cast<float*>(static_cast<char*>(s.ws) + Align256(size_t(2 * chunk * a.K) * 2));
@@ -581,8 +580,7 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     K3_CUDA_TRY(l.Make(a.N, a.K, n, ldx));
     cublasLtMatmulAlgo_t algo;
     K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, a.w, l, stream, &algo));
-    K3_CUDA_TRY(Lt(cublasLtMatmul(s.lt, s.desc, &one, a.w, l.w, x, l.x, &zero, C, l.c, C, l.c, &algo, s.lt_ws,
-                                  kLtWorkspace, stream)));
+    K3_CUDA_TRY(Lt(s.Matmul(a.w, l, x, C, &algo, stream)));
     const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
     const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
                     static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
