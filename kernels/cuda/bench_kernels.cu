@@ -209,6 +209,8 @@ constexpr double kZipfS = 1.0;
 // The routed experts at K3 latent shapes (ℓ 3584, I 3072, 56 experts on one GPU), bf16, SiTU, weights in
 // 3·56 separate matrices passed by pointer. N = 28·avg tokens with k = 2 pairs each over Zipf(1.0) counts;
 // tokens are shuffled so that an expert's tokens are scattered through x.
+constexpr int64_t kExpertAvgs[] = {8, 16, 32, 64, 128, 256, 512};  // tokens per expert on average
+
 void BenchExperts(int iters, int64_t only_avg, std::vector<MoeResult>& results) {
   const int64_t E = 56, D = 3584, I = 3072, k = 2;
   auto* w1 = Alloc<__nv_bfloat16>(E * I * D);
@@ -224,7 +226,7 @@ void BenchExperts(int iters, int64_t only_avg, std::vector<MoeResult>& results) 
   CHECK(cudaMemcpy(p3, h3.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(p2, h2.data(), E * sizeof(void*), cudaMemcpyHostToDevice));
   const double weight_bytes = 3.0 * E * D * I * 2;
-  for (int64_t avg : {8, 16, 32, 64, 128, 256, 512}) {
+  for (int64_t avg : kExpertAvgs) {
     if (only_avg != 0 && avg != only_avg) continue;
     const auto counts = ZipfCounts(E, avg, kZipfS);
     const int64_t P = E * avg, N = P / k;
@@ -323,11 +325,13 @@ int main(int argc, char** argv) {
     else if (arg == "--only" && i + 1 < argc && family(argv[i + 1])) only = argv[++i];
     else if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (arg == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
-    else if (arg == "--avg" && i + 1 < argc) only_avg = std::atoll(argv[++i]);
+    else if (arg == "--avg" && i + 1 < argc && std::count(std::begin(kExpertAvgs), std::end(kExpertAvgs),
+                                                            std::atoll(argv[i + 1])) == 1)
+      only_avg = std::atoll(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: %s [--anchors fla.json] [--torch-anchors torch.json] [--only kda|moe] [--json out.json] "
-                   "[--iters N] [--avg tokens-per-expert]\n",
+                   "[--iters N] [--avg 8|16|32|64|128|256|512]\n",
                    argv[0]);
       return 2;
     }
