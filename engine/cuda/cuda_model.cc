@@ -21,6 +21,7 @@
 #include "kernels/cuda/kda.cuh"
 #include "kernels/cuda/kda_small.cuh"
 #include "kernels/cuda/linear.cuh"
+#include "kernels/cuda/lm_head.cuh"
 #include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/norm.cuh"
@@ -134,7 +135,8 @@ struct CudaModel::Impl {
   // Work buffers for cap = max_batch_tokens rows.
   int64_t cap = 0, win_cols = 0, wide_cols = 0, hidden_cols = 0;
   float *x = nullptr, *hread = nullptr, *bank = nullptr;
-  Split a, m, win, onorm, hid, z, zn, qbuf, qan, fn;
+  Split a, m, win, onorm, hid, z, zn, qbuf, qan;
+  bf16* fn = nullptr;  // the final norm's rows, plain bf16: what the LM head reads
   float *gate = nullptr, *rlogits = nullptr, *wts = nullptr, *moe_out = nullptr, *shared_out = nullptr;
   void *graw = nullptr, *bbuf = nullptr, *qc = nullptr, *kc = nullptr, *vc = nullptr, *obuf = nullptr;
   int32_t *idx = nullptr, *ids = nullptr, *hits = nullptr;
@@ -585,7 +587,7 @@ absl::Status CudaModel::Impl::AllocWork() {
   }
   K3_ASSIGN_OR_RETURN(a, AllocSplit(N, d));
   K3_ASSIGN_OR_RETURN(m, AllocSplit(N, d));
-  K3_ASSIGN_OR_RETURN(fn, AllocSplit(N, d));
+  K3_ASSIGN_OR_RETURN(fn, Alloc<bf16>(N * d));
   // Rows on 16 bytes: the products that read column slices of win (f_a, g_a) need them, and with b's H rows
   // the KDA projection's width need not be a multiple of 8.
   K3_ASSIGN_OR_RETURN(win, AllocSplit(N, (std::max<int64_t>(win_cols, 8) + 7) / 8 * 8));
@@ -621,7 +623,7 @@ absl::Status CudaModel::Impl::AllocWork() {
     local_experts.max_rows = N;
   }
   // The dense products: a workspace for chunks of up to 256 rows of the widest one.
-  int64_t widest = std::max({c.vocab_size, 2 * hidden_cols, win_cols, c.num_experts, HD, ov, d});
+  int64_t widest = std::max({2 * hidden_cols, win_cols, c.num_experts, HD, ov, d});
   int64_t deepest = std::max({d, HD, ov, hidden_cols, c.expert_width(), c.q_lora_rank});
   K3_CUDA_OK(blas.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), widest, deepest)));
   // The side stream's products: the KDA gates (f_b, g_b, b or the full-rank g) and the shared experts.
@@ -903,7 +905,6 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
   // one 2N-row matrix, used by cuBLAS in place.
   for (Split* sp : {&a, &m, &win, &onorm, &hid, &z, &zn, &qbuf, &qan})
     if (sp->p) sp->lo = N * sp->ld;
-  fn.lo = std::max<int64_t>(R, 1) * fn.ld;
 
   if (R > logits_rows) {
     K3_CUDA_OK(cudaStreamSynchronize(stream));
@@ -963,14 +964,15 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
     Phase head(*this, "lm_head");
     K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
     if (R > 0) {
-      K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, fn, stream));
-      // Each row's greedy pick is folded on the way; the logits are stored only when kept (greedy decoding
-      // would write and never read 42 MB at a batch of 64).
+      // The head reads plain bf16 rows (lm_head.cuh): the norm writes no lo plane. Each row's greedy pick is folded
+      // on the way; the logits are stored only when kept (greedy decoding would write and never read 42 MB at a
+      // batch of 64). The keys are zeroed first, so the head follows the norm directly (PDL).
       K3_CUDA_OK(cudaMemsetAsync(argmax_keys, 0, R * sizeof(uint64_t), stream));
-      LinearArgs la;
-      la.N = V, la.K = d, la.w = lm_head, la.x = fn, la.y = keep_logits ? logits : nullptr, la.ldy = V;
-      la.out = LinearOut::kF32, la.M = R, la.argmax_keys = argmax_keys;
-      K3_CUDA_OK(Blas(la));
+      K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, Split{fn, d, 0}, stream));
+      LmHeadArgs la;
+      la.V = V, la.K = d, la.w = lm_head, la.x = Split{fn, d, 0}, la.M = R;
+      la.logits = keep_logits ? logits : nullptr, la.ldl = V, la.argmax_keys = argmax_keys;
+      K3_CUDA_OK(LmHead(la, stream));
       K3_CUDA_OK(ArgmaxIds(R, argmax_keys, ids, stream));
     }
     return absl::OkStatus();

@@ -27,39 +27,6 @@ constexpr int kThreads = 384;
 constexpr int kCopierRegs = 72, kMmaRegs = 216;  // 128·72 + 256·216 ≤ 64K registers; no spills
 }  // namespace wg
 
-__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(ptx::SmemAddr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(ptx::SmemAddr(bar)) : "memory");
-}
-__device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(ptx::SmemAddr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Waits for the completion of the barrier's phase with this parity (the phase before the first: at once).
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  while (!MbarTryWait(bar, parity)) {
-  }
-}
-// This thread's cp.asyncs issued so far arrive on bar when they complete (counted in the barrier's init count).
-__device__ __forceinline__ void CpAsyncArrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ptx::SmemAddr(bar)) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void RegsUpTo() {
-  K3_WGMMA_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void RegsDownTo() {
-  K3_WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
 // The gated activation in the epilogue is glu.cuh's GluApprox: with 64 outputs a thread and the tensor cores idle
 // meanwhile, the library tanhf / expf / divisions cost ~8% of the whole experts at avg 512 (H200).
 
@@ -95,7 +62,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
   // where it serializes the wgmmas (warning C7518: each waits for the one before; ~7% slower at avg 512).
   const int tid = threadIdx.x, group = __shfl_sync(0xffffffffu, tid / 128, 0);
   if (tid == 0)
-    for (int s = 0; s < kStages; ++s) MbarInit(full + s, 128), MbarInit(empty + s, 8);  // copiers; MMA warps
+    for (int s = 0; s < kStages; ++s) wgmma::MbarInit(full + s, 128), wgmma::MbarInit(empty + s, 8);  // copiers; MMA warps
   __syncthreads();
   constexpr int kCols = kGlu ? kBN / 2 : kBN;  // output columns per item
   const int K = a.K, M = a.M, KT = (K + kBK - 1) / kBK, col_blocks = (M + kCols - 1) / kCols;
@@ -107,7 +74,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
   };
 
   if (group == 0) {  // ------------------------------------------------------------------------------ copier
-    RegsDownTo<kCopierRegs>();
+    wgmma::RegsDownTo<kCopierRegs>();
     const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const int2 t = a.tiles[item / col_blocks];
@@ -122,7 +89,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
       const bf16* w_lo = a.wa[e];
       const bf16* w_hi = kGlu ? a.wb[e] : w_lo;
       for (int kt = 0; kt < KT; ++kt) {
-        MbarWait(empty + stage, phase ^ 1);
+        wgmma::MbarWait(empty + stage, phase ^ 1);
         unsigned char* sa = smem + stage * kStageBytes;
         bf16* ta = reinterpret_cast<bf16*>(sa);
         bf16* tb = reinterpret_cast<bf16*>(sa + kABytes);
@@ -142,7 +109,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
           const bf16* w = kGlu && n >= kBN / 2 ? w_hi : w_lo;
           ptx::CpAsync16(tb + wgmma::Swz(n, c), w + (ok ? f * K + k : 0), ok ? 16 : 0);
         }
-        CpAsyncArrive(full + stage);
+        wgmma::CpAsyncArrive(full + stage);
         advance();
       }
     }
@@ -150,7 +117,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
   }
 
   // ------------------------------------------------------------------------------------------ MMA warpgroups
-  RegsUpTo<kMmaRegs>();
+  wgmma::RegsUpTo<kMmaRegs>();
   const int half = group - 1, warp = (tid >> 5) & 3, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const float inv_b1 = 1.0f / a.beta1, inv_b2 = 1.0f / a.beta2;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -162,7 +129,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
-      MbarWait(full + stage, phase);
+      wgmma::MbarWait(full + stage, phase);
       if (live) {
         wgmma::FenceProxyAsync();  // the copiers' cp.async writes, seen by the MMAs' async proxy
         const uint32_t sa = ptx::SmemAddr(smem + stage * kStageBytes) + half * 64 * wgmma::kRowBytes;
@@ -175,7 +142,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
         wgmma::Wait<1>();  // the MMAs of the previous stage are done
         wgmma::FenceRegs(acc);
       }
-      if (prev >= 0 && lane == 0) MbarArrive(empty + prev);
+      if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
       prev = stage;
       advance();
     }
@@ -183,7 +150,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     // own on the other path (C7517).
     wgmma::Wait<0>();
     wgmma::FenceRegs(acc);
-    if (prev >= 0 && lane == 0) MbarArrive(empty + prev);
+    if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
     if (!live) continue;
 
     // Accumulator (row 16·warp + gid [+ 8], column 8j + 2tig [+ 1]) = acc[4j + (0, 1) (+ 2)]. Four n8 blocks of

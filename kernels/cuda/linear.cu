@@ -17,7 +17,6 @@
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/cuda/sampling.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -233,7 +232,7 @@ bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 cudaError_t Check(const LinearArgs& a) {
   const bool glu = a.glu;
-  if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || (!a.y && !a.argmax_keys) ||
+  if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || !a.y ||
       a.groups < 1 || a.groups > 65535 || (glu && a.N % 2 != 0) || a.M < 0)
     return cudaErrorInvalidValue;
   // 16-byte operand loads: every row and group of x and W must start on 16 bytes.
@@ -280,8 +279,8 @@ __device__ __forceinline__ void Store4(const LinearArgs& a, int64_t row, int64_t
 
 constexpr int kFoldCols = 4;
 
-// Row r of y at columns col0..col0 + 3 (stored when a.y is set); returns their best argmax key.
-__device__ __forceinline__ uint64_t FoldRow(const LinearArgs& a, const float* c, int64_t ldc, int64_t r,
+// Row r of y at columns col0..col0 + 3.
+__device__ __forceinline__ void FoldRow(const LinearArgs& a, const float* c, int64_t ldc, int64_t r,
                                            int64_t lo_rows, int64_t col0, int64_t cols, bool vec, bool store4) {
   float g[kFoldCols], u[kFoldCols];
   auto load = [&](int64_t j, float (&v)[kFoldCols]) {
@@ -303,17 +302,12 @@ __device__ __forceinline__ uint64_t FoldRow(const LinearArgs& a, const float* c,
 #pragma unroll
     for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
   }
-  if (a.y && vec && store4) {
+  if (vec && store4) {
     Store4(a, r, col0, g);
-  } else if (a.y) {
+  } else {
     for (int q = 0; q < kFoldCols; ++q)
       if (col0 + q < cols) Store(a, 0, r, col0 + q, g[q]);
   }
-  uint64_t best = 0;
-  if (a.argmax_keys)
-    for (int q = 0; q < kFoldCols; ++q)
-      if (col0 + q < cols) best = max(best, ArgmaxKey(g[q], col0 + q));
-  return best;
 }
 
 constexpr int kFoldThreads = 256;
@@ -325,15 +319,12 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   PdlEnter();
   const bool glu = a.glu;
   const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
-  if (col0 >= cols && !a.argmax_keys) return;  // (with argmax keys every thread takes part in the CTA's max)
+  if (col0 >= cols) return;
   // float4 loads need every row, the lo plane and the up half on 16 bytes (ldc is a multiple of 8); 4-column
   // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
   const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
-  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
-    const uint64_t best = col0 < cols ? FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4) : 0;
-    if (a.argmax_keys) FoldBlockKey<kFoldThreads>(best, a.argmax_keys + r0 + i);
-  }
+  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4);
 }
 
 cudaError_t Lt(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
@@ -342,7 +333,6 @@ cudaError_t Lt(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuc
 
 cudaError_t Linear(const LinearArgs& a, cudaStream_t stream) {
   K3_CUDA_TRY(Check(a));
-  if (a.argmax_keys) return cudaErrorInvalidValue;  // LinearBlas's fold only
   if (a.M == 0) return cudaSuccess;
   return a.x.lo != 0 ? Launch<true>(a, stream) : Launch<false>(a, stream);
 }
@@ -552,7 +542,7 @@ cudaError_t LinearBlas::Init(size_t bytes) {
 cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
   State& s = *s_;
   K3_CUDA_TRY(Check(a));
-  if (a.groups != 1 || !s.lt || (a.argmax_keys && (a.glu || a.out != LinearOut::kF32))) return cudaErrorInvalidValue;
+  if (a.groups != 1 || !s.lt) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const bool split = a.x.lo != 0;
   const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N);

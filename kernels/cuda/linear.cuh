@@ -6,9 +6,9 @@
 //               Each CTA streams a 64-row weight tile (cp.async, six k-blocks in flight per thread) once per pass
 //               of 64 tokens (16 when the grid is small) (weights as the 16-row A operand, tokens as the 8-column
 //               B operand).
-//   LinearBlas  cuBLASLt, for the dense products (one group): the engine's projections and LM head. A split x
-//               is stacked as [hi; lo] rows so that one GEMM reads the weight once for both halves; a fold pass
-//               sums the halves into the output mode (and applies the GLU).
+//   LinearBlas  cuBLASLt, for the dense products (one group): the engine's projections (the LM head has its own
+//               kernel, lm_head.cuh). A split x is stacked as [hi; lo] rows so that one GEMM reads the weight once
+//               for both halves; a fold pass sums the halves into the output mode (and applies the GLU).
 #pragma once
 
 #include <cublasLt.h>
@@ -48,11 +48,6 @@ struct LinearArgs {
   bool glu = false;
   GluAct act = GluAct::kSilu;
   float situ_beta = 4.0f, situ_linear_beta = 25.0f;
-
-  // LinearBlas, kF32 without GLU: row r's best (value, column) is also folded into argmax_keys[r] (ArgmaxKey, an
-  // integer max; zero the keys before) — greedy sampling without a pass over the logits; y may then be null
-  // (the keys alone). Null: none.
-  uint64_t* argmax_keys = nullptr;
 };
 
 cudaError_t Linear(const LinearArgs& a, cudaStream_t stream);

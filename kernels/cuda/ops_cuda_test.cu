@@ -23,6 +23,7 @@
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/kda_small.cuh"
 #include "kernels/cuda/linear.cuh"
+#include "kernels/cuda/lm_head.cuh"
 #include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/sampling.cuh"
@@ -93,10 +94,6 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   }
   DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 4);
   DeviceBuffer<float> dy(y0);
-  // LinearBlas's plain fp32 products also fold each row's argmax (the GPU engine's greedy pick).
-  const bool keys = blas && !glu && c.out == LinearOut::kF32;
-  DeviceBuffer<uint64_t> dkeys(std::vector<uint64_t>(std::max<int64_t>(c.M, 1), 0));
-  DeviceBuffer<int32_t> dids(std::max<int64_t>(c.M, 1));
   LinearArgs a;
   a.N = c.N, a.K = c.K, a.w = dw.bf(), a.glu = glu, a.act = c.act.value_or(GluAct::kSilu);
   a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
@@ -104,7 +101,6 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
   // The lo plane off 16-byte alignment (odd N) or on it: both store paths of the fold.
   a.ldy = cols, a.y_lo = c.M * cols + (c.N % 2 ? 1 : 4), a.out = c.out, a.M = c.M;
-  if (keys) a.argmax_keys = dkeys.get();
   if (blas) {
     LinearBlas lb;
     CUDA_OK(lb.Init(blas_ws));
@@ -120,22 +116,6 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
     const auto h = dyb.ToHost();
     for (int64_t i = 0; i < c.M * cols; ++i)
       got.push_back(Bf16ToFloat(h[i]) + (c.out == LinearOut::kSplit ? Bf16ToFloat(h[a.y_lo + i]) : 0.0f));
-  }
-  if (keys) {
-    CUDA_OK(ArgmaxIds(c.M, dkeys.get(), dids.get(), nullptr));
-    const auto ids = dids.ToHost();
-    for (int64_t m = 0; m < c.M; ++m) {
-      const auto row = got.begin() + m * cols;
-      EXPECT_EQ(ids[m], std::max_element(row, row + cols) - row) << "argmax of row " << m << " N " << c.N;
-    }
-    // The keys alone (no output rows stored): the same picks.
-    DeviceBuffer<uint64_t> keys_only(std::vector<uint64_t>(std::max<int64_t>(c.M, 1), 0));
-    a.y = nullptr, a.argmax_keys = keys_only.get();
-    LinearBlas lb;
-    CUDA_OK(lb.Init(blas_ws));
-    CUDA_OK(lb.Run(a, nullptr));
-    CUDA_OK(ArgmaxIds(c.M, keys_only.get(), dids.get(), nullptr));
-    EXPECT_EQ(dids.ToHost(), ids) << "keys without the output, N " << c.N;
   }
   const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
   EXPECT_LT(Rel(got, ref), tol) << (blas ? "LinearBlas" : "Linear") << " M " << c.M << " N " << c.N << " K " << c.K
@@ -200,6 +180,75 @@ TEST(LinearCuda, RowsAreBatchInvariant) {
       for (size_t j = 0; j < outs[i].size(); ++j)
         ASSERT_EQ(outs[i][j], outs.back()[j]) << (blas ? "LinearBlas" : "Linear") << " batch " << i << " element " << j;
   }
+}
+
+// ------------------------------------------------------------------------------------------------ LM head
+
+// LmHead against a double-precision reference on plain bf16 x (the hi plane of a split x; its lo plane must not
+// be read): odd vocabularies and K (the tensor maps' zero fill), one row, no rows, several 64-row passes; the
+// keys' picks are the first maxima of the logits it wrote, and the keys alone give the same picks.
+TEST(LmHeadCuda, MatchesReferenceAndPicksTheFirstMax) {
+  REQUIRE_GPU();
+  struct Case { int64_t V, K, M; };
+  for (const Case c : {Case{1000, 64, 1}, Case{257, 200, 17}, Case{300, 2304, 64}, Case{513, 128, 130},
+                       Case{40000, 96, 3}, Case{77, 8, 65}, Case{256, 64, 0}}) {
+    std::vector<float> w = Randn(c.V * c.K, 31, 1.0f / std::sqrt(float(c.K))), x = Randn(c.M * c.K, 32);
+    const std::vector<uint16_t> wb = ToBf16(w), xs = ToSplitPlanes(x);  // x: hi + lo
+    std::vector<float> hi(c.M * c.K);
+    for (int64_t i = 0; i < c.M * c.K; ++i) hi[i] = Bf16ToFloat(xs[i]);
+    std::vector<float> ref(c.M * c.V);
+    for (int64_t m = 0; m < c.M; ++m)
+      for (int64_t v = 0; v < c.V; ++v) {
+        double dot = 0;
+        for (int64_t k = 0; k < c.K; ++k) dot += double(w[v * c.K + k]) * hi[m * c.K + k];
+        ref[m * c.V + v] = static_cast<float>(dot);
+      }
+    DeviceBuffer<uint16_t> dw(wb), dx(xs);
+    DeviceBuffer<float> dl(std::vector<float>(c.M * c.V + 1, NAN));
+    DeviceBuffer<uint64_t> keys(std::vector<uint64_t>(std::max<int64_t>(c.M, 1), 0)),
+        keys_only(std::vector<uint64_t>(std::max<int64_t>(c.M, 1), 0));
+    DeviceBuffer<int32_t> ids(std::max<int64_t>(c.M, 1)), ids_only(std::max<int64_t>(c.M, 1));
+    LmHeadArgs a;
+    a.V = c.V, a.K = c.K, a.w = dw.bf(), a.x = Split{dx.bf(), c.K, c.M * c.K}, a.M = c.M;
+    a.logits = dl.get(), a.ldl = c.V, a.argmax_keys = keys.get();
+    CUDA_OK(LmHead(a, nullptr));
+    a.logits = nullptr, a.argmax_keys = keys_only.get();
+    CUDA_OK(LmHead(a, nullptr));
+    CUDA_OK(ArgmaxIds(c.M, keys.get(), ids.get(), nullptr));
+    CUDA_OK(ArgmaxIds(c.M, keys_only.get(), ids_only.get(), nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> got = dl.ToHost();
+    got.resize(c.M * c.V);
+    EXPECT_LT(Rel(got, ref), 2e-5) << "V " << c.V << " K " << c.K << " M " << c.M;
+    const auto picks = ids.ToHost();
+    for (int64_t m = 0; m < c.M; ++m) {
+      const auto row = got.begin() + m * c.V;
+      EXPECT_EQ(picks[m], std::max_element(row, row + c.V) - row) << "row " << m << " V " << c.V;
+    }
+    if (c.M > 0) EXPECT_EQ(ids_only.ToHost(), picks) << "keys without logits, V " << c.V;
+  }
+  // Rows are batch invariant: the first rows alone give the same logits bit for bit.
+  const int64_t V = 5000, K = 2304, M = 130;
+  std::vector<float> w = Randn(V * K, 33, 0.02f), x = Randn(M * K, 34);
+  DeviceBuffer<uint16_t> dw(ToBf16(w)), dx(ToBf16(x));
+  std::vector<std::vector<float>> outs;
+  for (const int64_t rows : {int64_t{1}, int64_t{64}, M}) {
+    DeviceBuffer<float> dl(rows * V);
+    LmHeadArgs a;
+    a.V = V, a.K = K, a.w = dw.bf(), a.x = Split{dx.bf(), K, 0}, a.M = rows, a.logits = dl.get(), a.ldl = V;
+    CUDA_OK(LmHead(a, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    outs.push_back(dl.ToHost());
+  }
+  for (size_t i = 0; i + 1 < outs.size(); ++i)
+    for (size_t j = 0; j < outs[i].size(); ++j) ASSERT_EQ(outs[i][j], outs.back()[j]) << "batch " << i << " element " << j;
+  // Bad arguments: named errors, nothing launched.
+  LmHeadArgs bad;
+  bad.V = V, bad.K = 12, bad.w = dw.bf(), bad.x = Split{dx.bf(), 12, 0}, bad.M = 1, bad.logits = nullptr;
+  EXPECT_EQ(LmHead(bad, nullptr), cudaErrorInvalidValue);  // K % 8, and no output
+  bad.K = K, bad.x.ld = K, bad.argmax_keys = reinterpret_cast<uint64_t*>(dw.get());
+  bad.w = dw.bf() + 1;
+  EXPECT_EQ(LmHead(bad, nullptr), cudaErrorMisalignedAddress);
 }
 
 // ------------------------------------------------------------------------------------------------ norms
