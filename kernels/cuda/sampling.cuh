@@ -12,7 +12,7 @@ namespace k3::cuda {
 // workspace) with an integer max, so the result does not depend on their order.
 cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, int32_t* ids, cudaStream_t stream);
 
-// ids[r] = the id in keys[r], for keys folded elsewhere (a product's epilogue: LinearArgs::argmax_keys).
+// ids[r] = the id in keys[r], for keys folded elsewhere (the LM head's epilogue: LmHeadArgs::argmax_keys).
 cudaError_t ArgmaxIds(int64_t R, const uint64_t* keys, int32_t* ids, cudaStream_t stream);
 
 #ifdef __CUDACC__
