@@ -441,9 +441,9 @@ __device__ __forceinline__ void CombineChunk(int64_t n, int64_t c, int chunks, i
       if (s[b] < 0) continue;
       float hv[8], lv[8];
       Unpack(v[b], hv);
-      Unpack(lo[b], lv);
+      Unpack(lo[b], lv);  // zeros for a plain y: hv + 0 is hv
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += wt[b] * (y_lo_chunks ? hv[q] + lv[q] : hv[q]);
+      for (int q = 0; q < 8; ++q) acc[q] += wt[b] * (hv[q] + lv[q]);
     }
   }
 }
@@ -455,22 +455,10 @@ dim3 CombineGrid(int64_t rows, int chunks) {
               static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, 65535))));
 }
 
-// out[n] = the combine of token n (bf16 out; split y: fp32 out), 8 columns at a time.
+// out[n] = the combine of token n, 8 columns at a time: bf16 out for a plain y (y_lo_chunks = 0); fp32 out for a
+// split y (y_lo_chunks: the lo plane's offset, a whole number of chunks: the planes are [max_pairs, D], D % 8 == 0).
 __global__ void CombineKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
-                              const int4* y, int4* out) {
-  PdlEnter();
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= chunks) return;
-  for (int64_t n = blockIdx.y; n < N; n += gridDim.y) {
-    float acc[8];
-    CombineChunk(n, c, chunks, top_k, pair_slot, w, y, 0, acc);
-    out[n * chunks + c] = Pack(acc);
-  }
-}
-
-// y_lo_chunks: the lo plane's offset, a whole number of chunks (the planes are [max_pairs, D], D % 8 == 0).
-__global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32_t* pair_slot, const float* w,
-                                   const int4* y, int64_t y_lo_chunks, float4* out) {
+                              const int4* y, int64_t y_lo_chunks, void* out) {
   PdlEnter();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= chunks) return;
@@ -478,8 +466,13 @@ __global__ void CombineSplitKernel(int64_t N, int chunks, int top_k, const int32
     float acc[8];
     CombineChunk(n, c, chunks, top_k, pair_slot, w, y, y_lo_chunks, acc);
     const int64_t i = n * chunks + c;
-    out[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    out[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    if (y_lo_chunks) {
+      float4* o = static_cast<float4*>(out) + 2 * i;
+      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+      static_cast<int4*>(out)[i] = Pack(acc);
+    }
   }
 }
 
@@ -771,15 +764,10 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
                   : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;
   const int chunks = static_cast<int>(a.D / 8);
-  if (split) {
-    K3_CUDA_TRY(LaunchKernel(CombineSplitKernel, CombineGrid(a.N, chunks), kCombineThreads, 0, stream, a.N, chunks,
-                             static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
-                             b.max_pairs * b.D / 8, reinterpret_cast<float4*>(a.out_f32)));
-    return cudaGetLastError();
-  }
   K3_CUDA_TRY(LaunchKernel(CombineKernel, CombineGrid(a.N, chunks), kCombineThreads, 0, stream, a.N, chunks,
                            static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
-                           reinterpret_cast<int4*>(a.out)));
+                           split ? b.max_pairs * b.D / 8 : int64_t{0},
+                           split ? static_cast<void*>(a.out_f32) : static_cast<void*>(a.out)));
   return cudaGetLastError();
 }
 

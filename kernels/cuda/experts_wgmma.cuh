@@ -134,13 +134,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
         wgmma::FenceProxyAsync();  // the copiers' cp.async writes, seen by the MMAs' async proxy
         const uint32_t sa = ptx::SmemAddr(smem + stage * kStageBytes) + half * 64 * wgmma::kRowBytes;
         const uint32_t sb = ptx::SmemAddr(smem + stage * kStageBytes + kABytes);
-        wgmma::FenceRegs(acc);
-        wgmma::Fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) wgmma::Mma<kBN>(acc, wgmma::Desc(sa + 32 * kk), wgmma::Desc(sb + 32 * kk));
-        wgmma::Commit();
-        wgmma::Wait<1>();  // the MMAs of the previous stage are done
-        wgmma::FenceRegs(acc);
+        wgmma::MmaStage<kBN>(acc, sa, sb);
       }
       if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
       prev = stage;

@@ -279,37 +279,6 @@ __device__ __forceinline__ void Store4(const LinearArgs& a, int64_t row, int64_t
 
 constexpr int kFoldCols = 4;
 
-// Row r of y at columns col0..col0 + 3.
-__device__ __forceinline__ void FoldRow(const LinearArgs& a, const float* c, int64_t ldc, int64_t r,
-                                           int64_t lo_rows, int64_t col0, int64_t cols, bool vec, bool store4) {
-  float g[kFoldCols], u[kFoldCols];
-  auto load = [&](int64_t j, float (&v)[kFoldCols]) {
-    if (vec) {
-      const float4 h = *reinterpret_cast<const float4*>(c + j);
-      v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
-      if (lo_rows) {
-        const float4 l = *reinterpret_cast<const float4*>(c + lo_rows * ldc + j);
-        v[0] += l.x, v[1] += l.y, v[2] += l.z, v[3] += l.w;
-      }
-    } else {
-      for (int q = 0; q < kFoldCols; ++q)
-        v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
-    }
-  };
-  load(col0, g);
-  if (a.glu) {
-    load(col0 + a.N / 2, u);
-#pragma unroll
-    for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
-  }
-  if (vec && store4) {
-    Store4(a, r, col0, g);
-  } else {
-    for (int q = 0; q < kFoldCols; ++q)
-      if (col0 + q < cols) Store(a, 0, r, col0 + q, g[q]);
-  }
-}
-
 constexpr int kFoldThreads = 256;
 
 // y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none). A thread takes four
@@ -324,7 +293,35 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
   const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
-  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) FoldRow(a, C + i * ldc, ldc, r0 + i, lo_rows, col0, cols, vec, store4);
+  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
+    const float* c = C + i * ldc;
+    float g[kFoldCols], u[kFoldCols];
+    auto load = [&](int64_t j, float (&v)[kFoldCols]) {
+      if (vec) {
+        const float4 h = *reinterpret_cast<const float4*>(c + j);
+        v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
+        if (lo_rows) {
+          const float4 l = *reinterpret_cast<const float4*>(c + lo_rows * ldc + j);
+          v[0] += l.x, v[1] += l.y, v[2] += l.z, v[3] += l.w;
+        }
+      } else {
+        for (int q = 0; q < kFoldCols; ++q)
+          v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
+      }
+    };
+    load(col0, g);
+    if (glu) {
+      load(col0 + a.N / 2, u);
+#pragma unroll
+      for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
+    }
+    if (vec && store4) {
+      Store4(a, r0 + i, col0, g);
+    } else {
+      for (int q = 0; q < kFoldCols; ++q)
+        if (col0 + q < cols) Store(a, 0, r0 + i, col0 + q, g[q]);
+    }
+  }
 }
 
 cudaError_t Lt(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }

@@ -33,6 +33,7 @@ constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kSmem = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // ring, alignment, full/empty barriers
 constexpr int kThreads = 384;
 static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0, "tiles on 1024 bytes (the swizzle's period)");
+static_assert(kBK * 2 == wgmma::kRowBytes, "a stage is one swizzled row of k (wgmma::MmaStage)");
 
 // The tile at (c0 inner, c1 outer) of a 2-D tensor map into shared memory; its bytes complete on bar.
 __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap& map, int c0, int c1, uint64_t* bar) {
@@ -99,14 +100,7 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
     for (int kt = 0; kt < KT; ++kt) {
       wgmma::MbarWait(full + stage, phase);
       const uint32_t sa = ptx::SmemAddr(smem + stage * kStageBytes);
-      const uint32_t sb = sa + kABytes + h * 128 * wgmma::kRowBytes;
-      wgmma::FenceRegs(acc);
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) wgmma::Mma<128>(acc, wgmma::Desc(sa + 32 * kk), wgmma::Desc(sb + 32 * kk));
-      wgmma::Commit();
-      wgmma::Wait<1>();  // the MMAs of the previous stage are done
-      wgmma::FenceRegs(acc);
+      wgmma::MmaStage<128>(acc, sa, sa + kABytes + h * 128 * wgmma::kRowBytes);
       if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
       prev = stage;
       advance();

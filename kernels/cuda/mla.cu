@@ -59,8 +59,7 @@ __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfl
   w_ukt[i] = kv_b[(h * s.dkv() + d) * s.r + c];
 }
 
-// qa[n][h][r + i] = q_r of token n, head h (the absorbed query is [q_nope·W_UK | q_r]).
-// The rope part of the absorbed query: qa[n, h, r:] = q_rope[n, h] (split in, split out).
+// The rope part of the absorbed query [q_nope·W_UK | q_r]: qa[n, h, r:] = q_r of token n, head h (split in and out).
 __global__ void QrKernel(int64_t N, MlaDims s, Split q, Split qa) {
   PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;

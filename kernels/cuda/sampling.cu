@@ -13,6 +13,18 @@ constexpr int kThreads = 256;
 constexpr int kPerThread = 16;  // logits a thread reads (four float4 when V allows)
 constexpr int kSpan = kThreads * kPerThread;
 
+// The best of the CTA's keys (every thread calling) folded into *key with one integer max.
+__device__ __forceinline__ void FoldBlockKey(uint64_t best, uint64_t* key) {
+  __shared__ uint64_t warp_best[kThreads / 32];
+  for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) best = max(best, warp_best[w]);
+    atomicMax(reinterpret_cast<unsigned long long*>(key), static_cast<unsigned long long>(best));
+  }
+}
+
 // CTA (row r, span s): the best key of logits [s·kSpan, (s + 1)·kSpan) of row r, folded into keys[r].
 __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float* logits, uint64_t* keys) {
   PdlEnter();
@@ -32,7 +44,7 @@ __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float*
         if (c + e < V) best = max(best, ArgmaxKey(row[c + e], c + e));
     }
   }
-  FoldBlockKey<kThreads>(best, keys + blockIdx.x);
+  FoldBlockKey(best, keys + blockIdx.x);
 }
 
 __global__ void KeysToIdsKernel(int64_t R, const uint64_t* keys, int32_t* ids) {

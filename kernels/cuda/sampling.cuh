@@ -23,21 +23,6 @@ __device__ __forceinline__ uint64_t ArgmaxKey(float v, int64_t c) {
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return (uint64_t{u} << 32) | (0xffffffffu - static_cast<uint32_t>(c));
 }
-
-// The best of the CTA's keys (kThreads threads, every one calling) folded into *key with one integer max.
-// Ends with a barrier, so a CTA may call it once per row.
-template <int kThreads>
-__device__ __forceinline__ void FoldBlockKey(uint64_t best, uint64_t* key) {
-  __shared__ uint64_t warp_best[kThreads / 32];
-  for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) best = max(best, warp_best[w]);
-    atomicMax(reinterpret_cast<unsigned long long*>(key), static_cast<unsigned long long>(best));
-  }
-  __syncthreads();
-}
 #endif
 
 }  // namespace k3::cuda

@@ -157,4 +157,17 @@ __device__ __forceinline__ void Mma<256>(float (&d)[128], uint64_t a, uint64_t b
       : "memory");
 }
 
+// One ring stage: d += A · Bᵀ over a 64-wide k tile (four k16 steps of swizzled tiles at shared addresses sa, sb),
+// then wait until the MMAs of the stage before are done, so that its buffers can be freed (one stage in flight).
+template <int N>
+__device__ __forceinline__ void MmaStage(float (&d)[N / 2], uint32_t sa, uint32_t sb) {
+  FenceRegs(d);
+  Fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) Mma<N>(d, Desc(sa + 32 * kk), Desc(sb + 32 * kk));
+  Commit();
+  Wait<1>();
+  FenceRegs(d);
+}
+
 }  // namespace k3::cuda::wgmma
