@@ -158,6 +158,17 @@ struct CudaModel::Impl {
 
   // Decode batches by (tokens, logit rows, whether the logits are kept).
   std::map<std::tuple<int64_t, int64_t, bool>, cudaGraphExec_t> graphs;
+  // The batch NextGreedy continues: the last ForwardGreedy's graph of a decode-only batch, where its token ids and
+  // positions sit in the uploaded metadata, its slots. exec null: none. The last step's ids reach the host by
+  // `copy` (pinned ids_host) beside the next step.
+  struct Chain {
+    cudaGraphExec_t exec = nullptr;
+    int32_t *tok_id = nullptr, *tok_pos = nullptr;
+    std::vector<int32_t> slots;
+  } chain;
+  cudaStream_t copy = nullptr;
+  cudaEvent_t fed = nullptr, copied = nullptr;
+  int32_t* ids_host = nullptr;
 
   // Profiling: events around stages, harvested after each forward.
   bool profile = false;
@@ -184,10 +195,14 @@ struct CudaModel::Impl {
     for (auto& [shape, exec] : graphs) cudaGraphExecDestroy(exec);
     if (stream) cudaStreamDestroy(stream);
     if (side) cudaStreamDestroy(side);
+    if (copy) cudaStreamDestroy(copy);
     if (fork_event) cudaEventDestroy(fork_event);
     if (join_event) cudaEventDestroy(join_event);
+    if (fed) cudaEventDestroy(fed);
+    if (copied) cudaEventDestroy(copied);
     for (void* p : allocations) cudaFree(p);
     cudaFreeHost(meta_host);
+    cudaFreeHost(ids_host);
   }
 
   template <class T>
@@ -642,6 +657,7 @@ absl::Status CudaModel::Impl::AllocWork() {
   meta_cap = 4 * N + 3 * N + (N + 1) + N + N / 4 + 1;
   K3_ASSIGN_OR_RETURN(meta, Alloc<int32_t>(meta_cap));
   K3_CUDA_OK(cudaMallocHost(&meta_host, meta_cap * sizeof(int32_t)));
+  K3_CUDA_OK(cudaMallocHost(&ids_host, std::max<int64_t>(opt.max_seqs, 1) * sizeof(int32_t)));
   local_experts.config = &c;
   local_experts.layers = &layers;
   local_experts.hits = hits;
@@ -847,6 +863,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
   }
   if (N > cap)
     return absl::InvalidArgumentError(absl::StrCat("batch of ", N, " tokens exceeds max_batch_tokens ", cap));
+  chain = Chain{};  // set again below when this is a batch NextGreedy can continue
   *out_rows = 0;
   if (N == 0) return absl::OkStatus();
 
@@ -997,6 +1014,11 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       it = graphs.emplace(std::make_tuple(N, R, keep_logits), exec).first;
     }
     K3_CUDA_OK(cudaGraphLaunch(it->second, stream));
+    if (!keep_logits && R == N) {
+      chain.exec = it->second;
+      chain.tok_id = meta + (md[kTokId] - meta), chain.tok_pos = meta + (md[kTokPos] - meta);
+      for (const GpuChunk& ch : chunks) chain.slots.push_back(ch.slot);
+    }
   } else {
     K3_RETURN_IF_ERROR(enqueue());
   }
@@ -1041,6 +1063,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   K3_CUDA_OK(cudaStreamCreateWithFlags(&impl->side, cudaStreamNonBlocking));
   K3_CUDA_OK(cudaEventCreateWithFlags(&impl->fork_event, cudaEventDisableTiming));
   K3_CUDA_OK(cudaEventCreateWithFlags(&impl->join_event, cudaEventDisableTiming));
+  K3_CUDA_OK(cudaStreamCreateWithFlags(&impl->copy, cudaStreamNonBlocking));
+  K3_CUDA_OK(cudaEventCreateWithFlags(&impl->fed, cudaEventDisableTiming));
+  K3_CUDA_OK(cudaEventCreateWithFlags(&impl->copied, cudaEventDisableTiming));
   K3_RETURN_IF_ERROR(impl->Upload(source));
   K3_RETURN_IF_ERROR(impl->AllocState());
   K3_RETURN_IF_ERROR(impl->AllocWork());
@@ -1091,6 +1116,7 @@ absl::Status CudaModel::FreeSlot(int32_t slot) {
   if (slot < 0 || slot >= impl_->opt.max_seqs || !impl_->in_use[slot])
     return absl::NotFoundError(absl::StrCat("slot ", slot, " is not allocated"));
   impl_->in_use[slot] = false;
+  impl_->chain = Impl::Chain{};
   return absl::OkStatus();
 }
 
@@ -1120,6 +1146,41 @@ absl::Status CudaModel::ForwardGreedy(std::span<const GpuChunk> chunks, std::vec
     K3_CUDA_OK(cudaMemcpyAsync(ids->data(), m.ids, R * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
   K3_CUDA_OK(cudaStreamSynchronize(m.stream));
   m.Harvest();
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::NextGreedy(std::vector<int32_t>* prev_ids) {
+  Impl& m = *impl_;
+  Impl::Chain& ch = m.chain;
+  if (!ch.exec || m.profile || m.experts != &m.local_experts)
+    return absl::FailedPreconditionError(
+        "NextGreedy continues a ForwardGreedy of a decode-only batch (one token a sequence, its row kept, CUDA "
+        "graphs on, in-process experts, not profiling); there is none to continue");
+  for (int32_t slot : ch.slots)
+    if (m.positions[slot] + 1 > m.opt.max_context)
+      return absl::ResourceExhaustedError(absl::StrCat("slot ", slot, " would exceed max_context ", m.opt.max_context));
+  const int64_t n = static_cast<int64_t>(ch.slots.size());
+  // The inputs from the last step's ids, their copy to the host beside the step that reads them.
+  K3_CUDA_OK(FeedGreedyIds(n, m.ids, ch.tok_id, ch.tok_pos, m.stream));
+  K3_CUDA_OK(cudaEventRecord(m.fed, m.stream));
+  K3_CUDA_OK(cudaStreamWaitEvent(m.copy, m.fed));
+  K3_CUDA_OK(cudaMemcpyAsync(m.ids_host, ch.tok_id, n * sizeof(int32_t), cudaMemcpyDeviceToHost, m.copy));
+  K3_CUDA_OK(cudaEventRecord(m.copied, m.copy));
+  K3_CUDA_OK(cudaGraphLaunch(ch.exec, m.stream));
+  for (int32_t slot : ch.slots) ++m.positions[slot];
+  // Before returning, so that the next call's feed may overwrite what was copied.
+  K3_CUDA_OK(cudaEventSynchronize(m.copied));
+  prev_ids->assign(m.ids_host, m.ids_host + n);
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::LastGreedy(std::vector<int32_t>* ids) {
+  Impl& m = *impl_;
+  if (!m.chain.exec) return absl::FailedPreconditionError("LastGreedy: no decode-only greedy batch to read");
+  const int64_t n = static_cast<int64_t>(m.chain.slots.size());
+  ids->resize(n);
+  K3_CUDA_OK(cudaMemcpyAsync(ids->data(), m.ids, n * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream));
+  K3_CUDA_OK(cudaStreamSynchronize(m.stream));
   return absl::OkStatus();
 }
 

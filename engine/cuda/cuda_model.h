@@ -92,6 +92,17 @@ class CudaModel {
   // Same, with the argmax of each logits row taken on the device (greedy decoding).
   absl::Status ForwardGreedy(std::span<const GpuChunk> chunks, std::vector<int32_t>* ids);
 
+  // Greedy decoding with the host off the GPU's critical path (the overlap scheduling of SGLang and vLLM, for a
+  // fixed batch). After a ForwardGreedy of a decode-only batch (one token a sequence, each with its row kept),
+  // NextGreedy enqueues the next step of the same sequences — its tokens the last step's greedy ids, taken on
+  // the device, its positions one further — and then returns those tokens (the last step's ids) once they reach
+  // the host, which is while the new step runs: the GPU does not wait between steps for the host to read the
+  // ids and launch the next one. LastGreedy waits for the newest step and returns its ids. The ids are the ones
+  // ForwardGreedy step by step would give. FAILED_PRECONDITION without such a batch to continue (another forward,
+  // a freed slot, profiling, remote experts or CUDA graphs off end it); RESOURCE_EXHAUSTED at max_context.
+  absl::Status NextGreedy(std::vector<int32_t>* prev_ids);
+  absl::Status LastGreedy(std::vector<int32_t>* ids);
+
   // Replaces the in-process routed experts (not owned; null restores them).
   void SetExpertExecutor(CudaExpertExecutor* experts);
 

@@ -397,6 +397,81 @@ TEST(CudaModel, GraphReplayEqualsDirectLaunch) {
   }
 }
 
+// Overlapped greedy decoding (NextGreedy: each step's tokens taken on the device from the step before) gives the
+// ids that ForwardGreedy step by step gives, on the golden model and a random MoE model; it continues only a
+// decode-only greedy batch, and stops at max_context.
+TEST(CudaModel, NextGreedyMatchesStepByStep) {
+  REQUIRE_GPU();
+  const std::string dirs[] = {Data("tiny-kimi-linear-bf16"), WriteRandomModel("chained", kKimiLinearLike, 400)};
+  for (const std::string& dir : dirs) {
+    const int kSteps = 8;
+    std::vector<std::vector<int32_t>> runs[2];  // the ids of each step: step by step, chained
+    for (int chained = 0; chained < 2; ++chained) {
+      auto model = LoadOrDie(dir);
+      ASSERT_TRUE(model);
+      const int64_t V = model->config().vocab_size;
+      std::vector<int32_t> slots, next;
+      for (int s = 0; s < 3; ++s) {
+        slots.push_back(*model->AllocSlot());
+        const std::vector<int32_t> prompt = RandomTokens(9 + 21 * s, V, 60 + s);
+        GpuChunk p{slots[s], prompt, LogitsMode::kLast};
+        std::vector<int32_t> id;
+        ASSERT_TRUE(model->ForwardGreedy({&p, 1}, &id).ok());
+        next.push_back(id[0]);
+      }
+      std::vector<int32_t> prev;
+      EXPECT_EQ(model->NextGreedy(&prev).code(), absl::StatusCode::kFailedPrecondition);  // a prefill came last
+      auto step = [&]() {
+        std::vector<GpuChunk> chunks;
+        for (int s = 0; s < 3; ++s) chunks.push_back({slots[s], std::span<const int32_t>(&next[s], 1), LogitsMode::kLast});
+        std::vector<int32_t> ids;
+        EXPECT_TRUE(model->ForwardGreedy(chunks, &ids).ok());
+        next = ids;
+      };
+      step();
+      runs[chained].push_back(next);
+      if (chained) {
+        // Step i is enqueued before step i - 1's ids are read: they come back while it runs.
+        for (int i = 1; i < kSteps; ++i) {
+          ASSERT_TRUE(model->NextGreedy(&prev).ok());
+          if (i == 1) {
+            EXPECT_EQ(prev, runs[1].back()) << "step 1 is fed the ids ForwardGreedy returned";
+          } else {
+            runs[1].push_back(prev);
+          }
+        }
+        ASSERT_TRUE(model->LastGreedy(&next).ok());
+        runs[1].push_back(next);
+      } else {
+        for (int i = 1; i < kSteps; ++i) step(), runs[0].push_back(next);
+      }
+      for (int s = 0; s < 3; ++s) EXPECT_EQ(model->position(slots[s]), 9 + 21 * s + kSteps);
+      if (chained) {
+        ASSERT_TRUE(model->FreeSlot(slots[2]).ok());
+        EXPECT_EQ(model->NextGreedy(&prev).code(), absl::StatusCode::kFailedPrecondition);  // the batch is gone
+      }
+    }
+    EXPECT_EQ(runs[0], runs[1]) << dir;
+  }
+  // At max_context the chain stops, before the step that would overflow.
+  CudaModelOptions o;
+  o.max_seqs = 2, o.max_context = 12;
+  auto model = CudaModel::Load(Data("tiny-kimi-linear-bf16"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const int32_t slot = *(*model)->AllocSlot();
+  const std::vector<int32_t> prompt = RandomTokens(9, (*model)->config().vocab_size, 70);
+  std::vector<int32_t> ids, prev;
+  GpuChunk p{slot, prompt, LogitsMode::kLast};
+  ASSERT_TRUE((*model)->ForwardGreedy({&p, 1}, &ids).ok());
+  GpuChunk d{slot, std::span<const int32_t>(ids.data(), 1), LogitsMode::kLast};
+  std::vector<int32_t> ids2;
+  ASSERT_TRUE((*model)->ForwardGreedy({&d, 1}, &ids2).ok());  // position 10
+  EXPECT_TRUE((*model)->NextGreedy(&prev).ok());               // 11
+  EXPECT_TRUE((*model)->NextGreedy(&prev).ok());               // 12
+  EXPECT_EQ((*model)->NextGreedy(&prev).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*model)->position(slot), 12);
+}
+
 TEST(CudaModel, RejectsBadBatches) {
   REQUIRE_GPU();
   auto model = LoadOrDie(Data("tiny-kimi-linear"));

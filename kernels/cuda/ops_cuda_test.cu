@@ -258,7 +258,7 @@ TEST(LmHeadCuda, MatchesReferenceAndPicksTheFirstMax) {
 TEST(NormCuda, RmsNormAndGatedMatchCpu) {
   REQUIRE_GPU();
   const int64_t M = 33, H = 7, Dh = 128;
-  for (const int64_t D : {2304, 1000, 1537, 5000}) {
+  for (const int64_t D : {2304, 1000, 64, 1537, 5000}) {
     const std::vector<float> x = Randn(M * D, 12, 3.0f), w = Randn(D, 13);
     std::vector<float> ref(M * D), rev(M * D);
     cpu::RmsNormRef(M, D, x.data(), w.data(), 1e-5f, ref.data());
@@ -276,6 +276,20 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
     std::vector<float> sref(M * D);
     cpu::RmsNormRef(M, D, xs.data(), w.data(), 1e-5f, sref.data());
     EXPECT_LT(Rel(FromSplit(dys.ToHost(), M * D), sref), 1e-5) << "split D " << D;
+  }
+  {  // No weight, and a lo plane off 8 bytes.
+    const int64_t D = 2304;
+    const std::vector<float> x = Randn(M * D, 17, 2.0f), ones(D, 1.0f);
+    std::vector<float> ref(M * D);
+    cpu::RmsNormRef(M, D, x.data(), ones.data(), 1e-5f, ref.data());
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<uint16_t> dy(2 * M * D + 2);
+    CUDA_OK(RmsNorm(M, D, dx.get(), D, nullptr, nullptr, 1e-5f, Split{dy.bf(), D, M * D + 2}, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> h = dy.ToHost();
+    std::vector<float> got(M * D);
+    for (int64_t i = 0; i < M * D; ++i) got[i] = Bf16ToFloat(h[i]) + Bf16ToFloat(h[i + M * D + 2]);
+    EXPECT_LT(Rel(got, ref), 1e-5);
   }
 
   std::vector<float> o = Randn(M * H * Dh, 14), gate = Randn(M * H * Dh, 15), gw = Randn(Dh, 16), gref(M * H * Dh);
@@ -539,6 +553,26 @@ TEST(ElementwiseCuda, AddIntoRoundsLikeTwoAdds) {
 
 // Ties across and within the CTAs that share a row, the last id, NaN, all −inf, a vocabulary that is not a
 // multiple of 4 (the scalar path); against the CPU's first-maximum scan.
+// The next decode step's inputs from this step's greedy ids (CudaModel::NextGreedy): tok_id = ids, tok_pos + 1, for
+// no tokens, one, and more than a CTA's.
+TEST(SamplingCuda, FeedGreedyIdsAdvancesTheTokens) {
+  REQUIRE_GPU();
+  for (const int64_t N : {0, 1, 300}) {
+    std::vector<int32_t> ids(N), tok(N), pos(N);
+    for (int64_t n = 0; n < N; ++n) ids[n] = static_cast<int32_t>(7 * n + 3), tok[n] = -1, pos[n] = static_cast<int32_t>(n);
+    DeviceBuffer<int32_t> di(ids), dt(tok), dp(pos);
+    CUDA_OK(FeedGreedyIds(N, di.get(), dt.get(), dp.get(), nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<int32_t> t = dt.ToHost(), p = dp.ToHost();
+    for (int64_t n = 0; n < N; ++n) {
+      EXPECT_EQ(t[n], ids[n]) << n;
+      EXPECT_EQ(p[n], n + 1) << n;
+    }
+  }
+  EXPECT_EQ(FeedGreedyIds(2, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(FeedGreedyIds(-1, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+}
+
 TEST(SamplingCuda, ArgmaxTakesLowestIdOnTies) {
   REQUIRE_GPU();
   for (const int64_t V : {int64_t{163840}, int64_t{5003}, int64_t{1}}) {

@@ -53,6 +53,12 @@ __global__ void KeysToIdsKernel(int64_t R, const uint64_t* keys, int32_t* ids) {
   if (r < R) ids[r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
 }
 
+__global__ void FeedKernel(int64_t N, const int32_t* ids, int32_t* tok_id, int32_t* tok_pos) {
+  PdlEnter();
+  const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (n < N) tok_id[n] = ids[n], tok_pos[n] += 1;
+}
+
 }  // namespace
 
 cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, int32_t* ids, cudaStream_t stream) {
@@ -70,6 +76,13 @@ cudaError_t ArgmaxIds(int64_t R, const uint64_t* keys, int32_t* ids, cudaStream_
   if (R < 0 || R > 0x7fffffff || !keys || !ids) return cudaErrorInvalidValue;
   if (R == 0) return cudaSuccess;
   K3_CUDA_TRY(LaunchKernel(KeysToIdsKernel, static_cast<unsigned>((R + 255) / 256), 256, 0, stream, R, keys, ids));
+  return cudaGetLastError();
+}
+
+cudaError_t FeedGreedyIds(int64_t N, const int32_t* ids, int32_t* tok_id, int32_t* tok_pos, cudaStream_t stream) {
+  if (N < 0 || N > 0x7fffffff || (N > 0 && (!ids || !tok_id || !tok_pos))) return cudaErrorInvalidValue;
+  if (N == 0) return cudaSuccess;
+  K3_CUDA_TRY(LaunchKernel(FeedKernel, static_cast<unsigned>((N + 255) / 256), 256, 0, stream, N, ids, tok_id, tok_pos));
   return cudaGetLastError();
 }
 
