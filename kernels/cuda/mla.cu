@@ -68,24 +68,31 @@ __global__ void QrKernel(int64_t N, MlaDims s, Split q, Split qa) {
   StoreSplit(qa.p + (n * s.nh + h) * s.cw() + s.r + d, qa.lo, LoadSplit(q.p + n * q.ld + h * s.dqk() + s.dn + d, q.lo));
 }
 
-// Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 16 heads (the MMA's M; heads
-// past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass combines the
-// runs. The split is a function of the token's own length only, so a token's result does not depend on the
-// batch: runs of at least kTilesPerSplit tiles (a CTA's fixed cost — the query, the partials — is worth a few
-// tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ
-// (warp w: cache rows 8w..8w+7, the query as split hi + lo: two MMAs per cache fragment, so scores keep ~16 bits
-// of q), an online softmax over the 32 scores of each head, then acc += P·C[:, :r] (P as split hi + lo; warp w:
-// column pairs w, w+4, ...). Cache tiles arrive through a two-stage cp.async ring; rows are padded so that the
-// fragment loads are free of bank conflicts.
-constexpr int kHeads = 16;           // heads per CTA: the MMA's M
-constexpr int kRows = 32;            // cache rows per tile: one 8-row n-tile per warp
+// Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 32 heads (two 16-row MMA blocks,
+// the MMA's M; heads past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass
+// combines the runs. The split is a function of the token's own length only, so a token's result does not depend
+// on the batch: runs of at least kTilesPerSplit tiles (a CTA's fixed cost — the query, the partials — is worth a
+// few tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ
+// (warp w: head block w / 4, cache rows 8(w % 4)..+7, the query as split hi + lo: two MMAs per cache fragment, so
+// scores keep ~16 bits of q), an online softmax over the 32 scores of each head, then acc += P·C[:, :r] (P as split
+// hi + lo; warp w: its head block, column pairs w % 4, w % 4 + 4, ...). Both head blocks read each cache tile from
+// shared memory, so the cache streams from memory once (with 16 heads a CTA it was read twice: 1.7 TB/s of it).
+// Tiles arrive through a three-stage cp.async ring (two in flight); rows are padded so that the fragment loads are
+// free of bank conflicts.
+constexpr int kHeads = 16;              // heads per MMA block: the MMA's M
+constexpr int kBlocks = 2;              // MMA head blocks per CTA
+constexpr int kCtaHeads = kHeads * kBlocks;
+constexpr int kDecodeThreads = 128 * kBlocks;  // four warps per head block
+constexpr int kRows = 32;               // cache rows per tile: one 8-row n-tile per warp of a block
+constexpr int kStages = 3;              // cache tiles in the ring
 constexpr int kTilesPerSplit = 12;
-constexpr int kMaxSplits = 8;        // CTAs per (token, 16 heads)
+constexpr int kMaxSplits = 8;        // CTAs per (token, 32 heads)
 constexpr int kMaxPairs = 8;         // column pairs (16 columns) per warp: r ≤ 4 · 8 · 16 = 512
 constexpr int kPld = kRows + 8;      // P row stride (bf16)
-constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 112 KB, two CTAs per SM
+constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 188 KB, one CTA (8 warps) per SM
 
-static_assert(2 * kHeads * kPld * sizeof(__nv_bfloat16) >= kHeads * kRows * sizeof(float), "S fits in P's space");
+static_assert(2 * kCtaHeads * kPld * sizeof(__nv_bfloat16) >= kCtaHeads * kRows * sizeof(float), "S fits in P's space");
+static_assert(kDecodeThreads == kCtaHeads * 8, "the softmax: 8 threads per head");
 
 __host__ __device__ inline int64_t Splits(int64_t L) {
   const int64_t tiles = (L + kRows - 1) / kRows, runs = (tiles + kTilesPerSplit - 1) / kTilesPerSplit;
@@ -95,11 +102,11 @@ __host__ __device__ inline int64_t Splits(int64_t L) {
 struct DecodeLayout {
   int cwp, ldc;  // cw rounded up to 16; row stride of Q and cache tiles (bf16), ≡ 8 mod 16
   __host__ __device__ explicit DecodeLayout(int64_t cw) : cwp(static_cast<int>((cw + 15) / 16 * 16)), ldc(cwp + 8) {}
-  __host__ __device__ size_t q_elems() const { return size_t{2} * kHeads * ldc; }   // hi, lo
-  __host__ __device__ size_t c_elems() const { return size_t{2} * kRows * ldc; }    // two stages
-  // S [kHeads][kRows] fp32 shares P's space (2.5 KB): 112 KB for cw = 576, so two CTAs fit an SM.
+  __host__ __device__ size_t q_elems() const { return size_t{2} * kCtaHeads * ldc; }  // hi, lo
+  __host__ __device__ size_t c_elems() const { return size_t{kStages} * kRows * ldc; }
+  // S [kCtaHeads][kRows] fp32 shares P's space.
   __host__ __device__ size_t bytes() const {
-    return (q_elems() + c_elems() + 2 * kHeads * kPld) * sizeof(__nv_bfloat16) + 3 * kHeads * sizeof(float);
+    return (q_elems() + c_elems() + 2 * kCtaHeads * kPld) * sizeof(__nv_bfloat16) + 3 * kCtaHeads * sizeof(float);
   }
 };
 
@@ -112,26 +119,27 @@ __device__ __forceinline__ void LoadFragA(uint32_t (&a)[4], const __nv_bfloat16*
 
 // Partials of run g of (token n, head h): acc [N][nh][kMaxSplits][r] (unnormalized), ml [N][nh][kMaxSplits]
 // {max, sum}. qa: the absorbed query [N][nh][cw], split.
-__global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa, const __nv_bfloat16* cache,
-                                                             int64_t max_ctx, const int32_t* tok_slot,
-                                                             const int32_t* tok_pos, float scale, float* part_acc,
-                                                             float2* part_ml) {
+__global__ __launch_bounds__(kDecodeThreads) void DecodeMmaKernel(MlaDims s, Split qa, const __nv_bfloat16* cache,
+                                                                   int64_t max_ctx, const int32_t* tok_slot,
+                                                                   const int32_t* tok_pos, float scale, float* part_acc,
+                                                                   float2* part_ml) {
   PdlEnter();
   using bf16 = __nv_bfloat16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
-  const int64_t head_tiles = (s.nh + kHeads - 1) / kHeads;
-  const int64_t n = blockIdx.x / head_tiles, h0 = blockIdx.x % head_tiles * kHeads, g = blockIdx.y;
+  const int hb = warp >> 2, lw = warp & 3;  // this warp's head block, its warp within the block
+  const int64_t head_tiles = (s.nh + kCtaHeads - 1) / kCtaHeads;
+  const int64_t n = blockIdx.x / head_tiles, h0 = blockIdx.x % head_tiles * kCtaHeads, g = blockIdx.y;
   const int cw = static_cast<int>(s.cw()), r = static_cast<int>(s.r);
   const DecodeLayout lay(cw);
   const int ldc = lay.ldc, cwp = lay.cwp;
-  bf16* q_s = reinterpret_cast<bf16*>(smem_raw);    // [2][kHeads][ldc]
-  bf16* c_s = q_s + lay.q_elems();                  // [2][kRows][ldc]
-  bf16* p_s = c_s + lay.c_elems();                  // [2][kHeads][kPld]
-  float* s_s = reinterpret_cast<float*>(p_s);       // [kHeads][kRows], read before P is written
-  float* m_s = reinterpret_cast<float*>(p_s + 2 * kHeads * kPld);
-  float* l_s = m_s + kHeads;
-  float* corr_s = l_s + kHeads;
+  bf16* q_s = reinterpret_cast<bf16*>(smem_raw);    // [2][kCtaHeads][ldc]
+  bf16* c_s = q_s + lay.q_elems();                  // [kStages][kRows][ldc]
+  bf16* p_s = c_s + lay.c_elems();                  // [2][kCtaHeads][kPld]
+  float* s_s = reinterpret_cast<float*>(p_s);       // [kCtaHeads][kRows], read before P is written
+  float* m_s = reinterpret_cast<float*>(p_s + 2 * kCtaHeads * kPld);
+  float* l_s = m_s + kCtaHeads;
+  float* corr_s = l_s + kCtaHeads;
 
   const int64_t L = int64_t{tok_pos[n]} + 1, tiles = (L + kRows - 1) / kRows, splits = Splits(L);
   if (g >= splits) return;
@@ -139,56 +147,59 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa,
   const bf16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
   const int chunks = cw / 8;  // 16-byte chunks per cache row
 
-  // A warp copies rows warp, warp + 4, ...; its lanes the row's 16-byte chunks (no divisions: they were most
-  // of this kernel's instructions).
+  // A warp copies rows warp, warp + 8, ...; its lanes the row's 16-byte chunks (no divisions: they were most
+  // of this kernel's instructions). One copy group per tile (empty past the run), so a wait for "all but the
+  // last two groups" always means this tile.
   auto load_tile = [&](int64_t t, int stage) {
-    bf16* dst = c_s + stage * kRows * ldc;
-    for (int row = warp; row < kRows; row += kThreads / 32) {
-      const int64_t j = t * kRows + row;
-      const bool valid = j < L;
-      const bf16* src = C + (valid ? j : 0) * cw;
-      for (int ch = lane; ch < chunks; ch += 32) ptx::CpAsync16(dst + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
+    if (t < t_end) {
+      bf16* dst = c_s + stage * kRows * ldc;
+      for (int row = warp; row < kRows; row += kDecodeThreads / 32) {
+        const int64_t j = t * kRows + row;
+        const bool valid = j < L;
+        const bf16* src = C + (valid ? j : 0) * cw;
+        for (int ch = lane; ch < chunks; ch += 32)
+          ptx::CpAsync16(dst + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
+      }
     }
     ptx::CpAsyncCommit();
   };
-  // The query's hi rows (heads h0..h0+15), then its lo rows, in the first tile's copy group; heads past nh are
-  // zeros, and so are the padding columns of Q and of both cache stages.
+  // The query's hi rows (heads h0..h0+31), then its lo rows, in the first tile's copy group; heads past nh are
+  // zeros, and so are the padding columns of Q and of every cache stage.
   if (t_begin < t_end) {
-    for (int row = warp; row < 2 * kHeads; row += kThreads / 32) {
-      const int h = row % kHeads;
+    for (int row = warp; row < 2 * kCtaHeads; row += kDecodeThreads / 32) {
+      const int h = row % kCtaHeads;
       const bool valid = h0 + h < s.nh;
-      const bf16* src = qa.p + (row >= kHeads ? qa.lo : 0) + (n * s.nh + (valid ? h0 + h : 0)) * cw;
+      const bf16* src = qa.p + (row >= kCtaHeads ? qa.lo : 0) + (n * s.nh + (valid ? h0 + h : 0)) * cw;
       for (int ch = lane; ch < chunks; ch += 32) ptx::CpAsync16(q_s + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
     }
-    load_tile(t_begin, 0);
   }
-  for (int i = tid; i < 2 * kHeads * (cwp - cw); i += kThreads)
+  load_tile(t_begin, 0);
+  load_tile(t_begin + 1, 1);
+  for (int i = tid; i < 2 * kCtaHeads * (cwp - cw); i += kDecodeThreads)
     q_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
-  for (int i = tid; i < 2 * kRows * (cwp - cw); i += kThreads)
+  for (int i = tid; i < kStages * kRows * (cwp - cw); i += kDecodeThreads)
     c_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
-  if (tid < kHeads) m_s[tid] = kNegInf, l_s[tid] = 0.0f;
+  if (tid < kCtaHeads) m_s[tid] = kNegInf, l_s[tid] = 0.0f;
 
   const int pairs = r / 16;
+  const bf16* qh = q_s + hb * kHeads * ldc;
+  const bf16* ql = q_s + (kCtaHeads + hb * kHeads) * ldc;
   float acc[kMaxPairs][2][4] = {};
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const int stage = static_cast<int>((t - t_begin) & 1);
-    if (t + 1 < t_end) {
-      load_tile(t + 1, stage ^ 1);
-      ptx::CpAsyncWaitGroup<1>();
-    } else {
-      ptx::CpAsyncWaitGroup<0>();
-    }
+    const int stage = static_cast<int>((t - t_begin) % kStages);
+    load_tile(t + 2, (stage + 2) % kStages);  // into the stage the previous tile used (freed by its last barrier)
+    ptx::CpAsyncWaitGroup<2>();
     __syncthreads();
     const bf16* ct = c_s + stage * kRows * ldc;
 
-    // S rows of this warp: c0/c1 = (head gid, rows 2tig, 2tig+1), c2/c3 = head gid + 8.
+    // S rows of this warp: c0/c1 = (head 16hb + gid, rows 8lw + 2tig, +1), c2/c3 = head + 8.
     // The hi and lo products in two accumulators: two independent MMA chains of 36 instead of one of 72.
     float sc[4] = {}, sc_lo[4] = {};
-    const bf16* brow = ct + (warp * 8 + gid) * ldc + 2 * tig;
+    const bf16* brow = ct + (lw * 8 + gid) * ldc + 2 * tig;
     for (int k0 = 0; k0 < cwp; k0 += 16) {
       uint32_t ah[4], al[4];
-      LoadFragA(ah, q_s, ldc, k0, lane);
-      LoadFragA(al, q_s + kHeads * ldc, ldc, k0, lane);
+      LoadFragA(ah, qh, ldc, k0, lane);
+      LoadFragA(al, ql, ldc, k0, lane);
       const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow + k0);
       const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + k0 + 8);
       ptx::Mma(sc, ah, b0, b1);
@@ -196,11 +207,12 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa,
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) sc[e] += sc_lo[e];
-    const int64_t j = t * kRows + warp * 8 + 2 * tig;
-    s_s[gid * kRows + warp * 8 + 2 * tig] = j < L ? sc[0] * scale : kNegInf;
-    s_s[gid * kRows + warp * 8 + 2 * tig + 1] = j + 1 < L ? sc[1] * scale : kNegInf;
-    s_s[(gid + 8) * kRows + warp * 8 + 2 * tig] = j < L ? sc[2] * scale : kNegInf;
-    s_s[(gid + 8) * kRows + warp * 8 + 2 * tig + 1] = j + 1 < L ? sc[3] * scale : kNegInf;
+    const int64_t j = t * kRows + lw * 8 + 2 * tig;
+    const int hr = hb * kHeads + gid;
+    s_s[hr * kRows + lw * 8 + 2 * tig] = j < L ? sc[0] * scale : kNegInf;
+    s_s[hr * kRows + lw * 8 + 2 * tig + 1] = j + 1 < L ? sc[1] * scale : kNegInf;
+    s_s[(hr + 8) * kRows + lw * 8 + 2 * tig] = j < L ? sc[2] * scale : kNegInf;
+    s_s[(hr + 8) * kRows + lw * 8 + 2 * tig + 1] = j + 1 < L ? sc[3] * scale : kNegInf;
     __syncthreads();
 
     // Online softmax: 8 threads per head, 4 scores each (a tile's first row is always valid).
@@ -219,7 +231,7 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa,
         sum += p;
         const bf16 hi = __float2bfloat16_rn(p);
         p_s[h * kPld + c0 + i] = hi;
-        p_s[(kHeads + h) * kPld + c0 + i] = __float2bfloat16_rn(p - __bfloat162float(hi));
+        p_s[(kCtaHeads + h) * kPld + c0 + i] = __float2bfloat16_rn(p - __bfloat162float(hi));
       }
       for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       if ((tid & 7) == 0) {
@@ -230,7 +242,7 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa,
     __syncthreads();
 
     // acc = acc · corr + P · V over this tile's 32 rows (two k-steps).
-    const float cr0 = corr_s[gid], cr1 = corr_s[gid + 8];
+    const float cr0 = corr_s[hr], cr1 = corr_s[hr + 8];
 #pragma unroll
     for (int pi = 0; pi < kMaxPairs; ++pi)
 #pragma unroll
@@ -238,11 +250,11 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa,
 #pragma unroll
     for (int kk = 0; kk < kRows; kk += 16) {
       uint32_t ah[4], al[4];
-      LoadFragA(ah, p_s, kPld, kk, lane);
-      LoadFragA(al, p_s + kHeads * kPld, kPld, kk, lane);
+      LoadFragA(ah, p_s + hb * kHeads * kPld, kPld, kk, lane);
+      LoadFragA(al, p_s + (kCtaHeads + hb * kHeads) * kPld, kPld, kk, lane);
 #pragma unroll
       for (int pi = 0; pi < kMaxPairs; ++pi) {
-        const int pair = warp + 4 * pi;
+        const int pair = lw + 4 * pi;
         if (pair < pairs) {
           uint32_t b[4];
           ptx::LdMatrixX4Trans(b, ptx::FragBT(ct, ldc, kk, pair * 16, lane));
@@ -255,25 +267,27 @@ __global__ __launch_bounds__(kThreads) void DecodeMmaKernel(MlaDims s, Split qa,
     }
     __syncthreads();  // before the next tile's loads and scores overwrite this stage, S and P
   }
+  ptx::CpAsyncWaitAll();  // nothing in flight at exit (the empty groups past the run)
 
-  // Partials: rows gid / gid + 8 are heads h0 + gid / h0 + gid + 8; columns pair·16 + u·8 + 2tig (+1).
-  const int64_t base = (n * s.nh + h0) * kMaxSplits + g;
+  // Partials: rows gid / gid + 8 of the warp's block are heads h0 + 16hb + gid / + 8; columns pair·16 + u·8 + 2tig.
+  const int64_t base = (n * s.nh + h0 + hb * kHeads) * kMaxSplits + g;
 #pragma unroll
   for (int pi = 0; pi < kMaxPairs; ++pi) {
-    const int pair = warp + 4 * pi;
+    const int pair = lw + 4 * pi;
     if (pair >= pairs || t_begin >= t_end) continue;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int c = pair * 16 + u * 8 + 2 * tig;
-      if (h0 + gid < s.nh)
+      if (h0 + hb * kHeads + gid < s.nh)
         *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid} * kMaxSplits) * r + c) =
             make_float2(acc[pi][u][0], acc[pi][u][1]);
-      if (h0 + gid + 8 < s.nh)
+      if (h0 + hb * kHeads + gid + 8 < s.nh)
         *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid + 8} * kMaxSplits) * r + c) =
             make_float2(acc[pi][u][2], acc[pi][u][3]);
     }
   }
-  if (tid < kHeads && h0 + tid < s.nh) part_ml[base + int64_t{tid} * kMaxSplits] = make_float2(m_s[tid], l_s[tid]);
+  if (tid < kCtaHeads && h0 + tid < s.nh)
+    part_ml[(n * s.nh + h0 + tid) * kMaxSplits + g] = make_float2(m_s[tid], l_s[tid]);
 }
 
 // ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the token's runs that had rows (l_g > 0), in g order.
@@ -416,8 +430,8 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   static const cudaError_t attr = cudaFuncSetAttribute(DecodeMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(DecodeLayout(kMaxCw).bytes()));
   K3_CUDA_TRY(attr);
-  const dim3 grid(static_cast<unsigned>(N * ((s.nh + kHeads - 1) / kHeads)), static_cast<unsigned>(Splits(max_ctx)));
-  K3_CUDA_TRY(LaunchKernel(DecodeMmaKernel, grid, kThreads, smem, stream, s, qa, cache, max_ctx, tok_slot, tok_pos,
+  const dim3 grid(static_cast<unsigned>(N * ((s.nh + kCtaHeads - 1) / kCtaHeads)), static_cast<unsigned>(Splits(max_ctx)));
+  K3_CUDA_TRY(LaunchKernel(DecodeMmaKernel, grid, kDecodeThreads, smem, stream, s, qa, cache, max_ctx, tok_slot, tok_pos,
                            scale, part_acc, part_ml));
   K3_CUDA_TRY(cudaGetLastError());
   K3_CUDA_TRY(LaunchKernel(DecodeMergeKernel, static_cast<unsigned>(N * s.nh), kThreads, 0, stream, s, tok_pos,

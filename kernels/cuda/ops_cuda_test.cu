@@ -433,8 +433,10 @@ MlaProblem MakeMla(const MlaDims& s, int64_t T, int64_t L, uint32_t seed) {
 // Prefill (expanded) of T tokens after P cached ones; decode (absorbed) of one token per sequence.
 TEST(MlaCuda, PrefillAndDecodeMatchReference) {
   REQUIRE_GPU();
-  // Tiny goldens' shape; 20 heads (a partial 16-head tile) with cw = 72 (padded to 80 columns); Kimi's.
-  for (const MlaDims s : {MlaDims{4, 32, 16, 32, 32}, MlaDims{20, 32, 8, 32, 64}, MlaDims{32, 128, 64, 128, 512}}) {
+  // Tiny goldens' shape (decode: one partial 16-head block of a 32-head CTA); 20 heads (a partial second block)
+  // with cw = 72 (padded to 80 columns); Kimi's; 40 heads (a second CTA of heads, one partial block).
+  for (const MlaDims s : {MlaDims{4, 32, 16, 32, 32}, MlaDims{20, 32, 8, 32, 64}, MlaDims{32, 128, 64, 128, 512},
+                          MlaDims{40, 32, 16, 32, 64}}) {
     const int64_t P = 37, T = 90, L = P + T;
     const float scale = 1.0f / std::sqrt(float(s.dqk()));
     const cpu::MlaShape cs{s.nh, s.dn, s.dr, s.dv, s.r};
