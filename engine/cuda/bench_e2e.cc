@@ -6,7 +6,8 @@
 //   k3serve-bench-e2e --model DIR [--batch 64] [--prompt 512] [--steps 32] [--anchor hf.json] [--json out.json]
 //   k3serve-bench-e2e --config config.json [--seed 1] ...     (random weights drawn on the device)
 //   k3serve-bench-e2e --config tools/configs/k3-mini.json --share-experts   (175 GB of experts in 59)
-// --profile adds the device time of each stage of a decode step.
+// --profile adds the device time of each stage of a decode step. Decode is timed with overlapped steps
+// (CudaModel::NextGreedy) and with the host in the loop (ForwardGreedy a step); --overlap=false: the latter alone.
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
