@@ -1016,7 +1016,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
     K3_CUDA_OK(cudaGraphLaunch(it->second, stream));
     if (!keep_logits && R == N) {
       chain.exec = it->second;
-      chain.tok_id = meta + (md[kTokId] - meta), chain.tok_pos = meta + (md[kTokPos] - meta);
+      chain.tok_id = const_cast<int32_t*>(md[kTokId]), chain.tok_pos = const_cast<int32_t*>(md[kTokPos]);  // in meta
       for (const GpuChunk& ch : chunks) chain.slots.push_back(ch.slot);
     }
   } else {

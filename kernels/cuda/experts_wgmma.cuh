@@ -22,7 +22,8 @@ constexpr int kBM = 128, kBN = 256, kStages = 4;  // k steps of experts.cu's kBK
 static_assert(kBK * 2 == wgmma::kRowBytes, "a k step is one 128-byte row");
 constexpr int kABytes = kBM * wgmma::kRowBytes, kBBytes = kBN * wgmma::kRowBytes;  // 16 KB, 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;
-constexpr int kSmem = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // ring, alignment, full/empty barriers
+using StageRing = wgmma::Ring<kStages, kStageBytes>;
+constexpr int kSmem = StageRing::kSmem;
 constexpr int kThreads = 384;
 constexpr int kCopierRegs = 72, kMmaRegs = 216;  // 128·72 + 256·216 ≤ 64K registers; no spills
 }  // namespace wg
@@ -54,24 +55,15 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
   PdlEnter();
   using namespace wg;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
+  StageRing ring(smem_raw);
   // The role through a shuffle: ptxas then knows it is warp-uniform, so the MMA branch is not a divergent path,
   // where it serializes the wgmmas (warning C7518: each waits for the one before; ~7% slower at avg 512).
   const int tid = threadIdx.x, group = __shfl_sync(0xffffffffu, tid / 128, 0);
-  if (tid == 0)
-    for (int s = 0; s < kStages; ++s) wgmma::MbarInit(full + s, 128), wgmma::MbarInit(empty + s, 8);  // copiers; MMA warps
+  if (tid == 0) ring.Init(128, 8);  // copiers; MMA warps
   __syncthreads();
   constexpr int kCols = kGlu ? kBN / 2 : kBN;  // output columns per item
   const int K = a.K, M = a.M, KT = (K + kBK - 1) / kBK, col_blocks = (M + kCols - 1) / kCols;
   const int items = *a.num_tiles * col_blocks;
-  int stage = 0;
-  uint32_t phase = 0;
-  auto advance = [&] {
-    if (++stage == kStages) stage = 0, phase ^= 1;
-  };
 
   if (group == 0) {  // ------------------------------------------------------------------------------ copier
     wgmma::RegsDownTo<kCopierRegs>();
@@ -89,8 +81,8 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
       const bf16* w_lo = a.wa[e];
       const bf16* w_hi = kGlu ? a.wb[e] : w_lo;
       for (int kt = 0; kt < KT; ++kt) {
-        wgmma::MbarWait(empty + stage, phase ^ 1);
-        unsigned char* sa = smem + stage * kStageBytes;
+        ring.WaitFree();
+        unsigned char* sa = ring.Buffer();
         bf16* ta = reinterpret_cast<bf16*>(sa);
         bf16* tb = reinterpret_cast<bf16*>(sa + kABytes);
         const int k = kt * kBK + c * 8;
@@ -109,8 +101,8 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
           const bf16* w = kGlu && n >= kBN / 2 ? w_hi : w_lo;
           ptx::CpAsync16(tb + wgmma::Swz(n, c), w + (ok ? f * K + k : 0), ok ? 16 : 0);
         }
-        wgmma::CpAsyncArrive(full + stage);
-        advance();
+        wgmma::CpAsyncArrive(ring.full + ring.stage);
+        ring.Advance();
       }
     }
     return;
@@ -129,22 +121,21 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
-      wgmma::MbarWait(full + stage, phase);
+      ring.WaitFilled();
       if (live) {
         wgmma::FenceProxyAsync();  // the copiers' cp.async writes, seen by the MMAs' async proxy
-        const uint32_t sa = ptx::SmemAddr(smem + stage * kStageBytes) + half * 64 * wgmma::kRowBytes;
-        const uint32_t sb = ptx::SmemAddr(smem + stage * kStageBytes + kABytes);
-        wgmma::MmaStage<kBN>(acc, sa, sb);
+        const uint32_t st = ptx::SmemAddr(ring.Buffer());
+        wgmma::MmaStage<kBN>(acc, st + half * 64 * wgmma::kRowBytes, st + kABytes);
       }
-      if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
-      prev = stage;
-      advance();
+      if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
+      prev = ring.stage;
+      ring.Advance();
     }
     // Unconditional (a warpgroup that issued nothing returns at once): under `if (live)` ptxas adds a wait of its
     // own on the other path (C7517).
     wgmma::Wait<0>();
     wgmma::FenceRegs(acc);
-    if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
+    if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
     if (!live) continue;
 
     // Accumulator (row 16·warp + gid [+ 8], column 8j + 2tig [+ 1]) = acc[4j + (0, 1) (+ 2)]. Four n8 blocks of

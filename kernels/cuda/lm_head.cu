@@ -30,9 +30,10 @@ constexpr int kBK = 64;     // k per stage: one swizzled 128-byte row
 constexpr int kStages = 5;
 constexpr int kABytes = kRows * wgmma::kRowBytes, kBBytes = kBN * wgmma::kRowBytes;  // 8 KB, 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;
-constexpr int kSmem = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // ring, alignment, full/empty barriers
+using StageRing = wgmma::Ring<kStages, kStageBytes>;
+constexpr int kSmem = StageRing::kSmem;
 constexpr int kThreads = 384;
-static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0, "tiles on 1024 bytes (the swizzle's period)");
+static_assert(kABytes % 1024 == 0, "tiles on 1024 bytes (the swizzle's period)");
 static_assert(kBK * 2 == wgmma::kRowBytes, "a stage is one swizzled row of k (wgmma::MmaStage)");
 
 // The tile at (c0 inner, c1 outer) of a 2-D tensor map into shared memory; its bytes complete on bar.
@@ -52,22 +53,13 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
                                                              const __grid_constant__ CUtensorMap x_map,
                                                              int vocab_blocks, int passes) {
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem =
-      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
+  StageRing ring(smem_raw);
   // The role through a shuffle, so ptxas sees it warp-uniform (experts_wgmma.cuh: C7518).
   const int tid = threadIdx.x, group = __shfl_sync(0xffffffffu, tid / 128, 0);
-  if (tid == 0)
-    for (int s = 0; s < kStages; ++s) wgmma::MbarInit(full + s, 1), wgmma::MbarInit(empty + s, 8);  // loader; MMA warps
+  if (tid == 0) ring.Init(1, 8);  // loader; MMA warps
   __syncthreads();
   const int64_t V = a.V, K = a.K, M = a.M;
   const int KT = static_cast<int>((K + kBK - 1) / kBK), items = vocab_blocks * passes;
-  int stage = 0;
-  uint32_t phase = 0;
-  auto advance = [&] {
-    if (++stage == kStages) stage = 0, phase ^= 1;
-  };
 
   if (group == 0) {  // ------------------------------------------------------------------------------ loader
     if (tid != 0) return;
@@ -76,13 +68,14 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
       // Vocabulary-block-major: the CTAs working at once share W blocks across passes (prefill logits).
       const int m0 = (item % passes) * kRows, v0 = (item / passes) * kBN;
       for (int kt = 0; kt < KT; ++kt) {
-        wgmma::MbarWait(empty + stage, phase ^ 1);
-        unsigned char* st = smem + stage * kStageBytes;
-        MbarExpectTx(full + stage, kStageBytes);
-        TmaLoad(st + kABytes, w_map, kt * kBK, v0, full + stage);
+        ring.WaitFree();
+        unsigned char* st = ring.Buffer();
+        uint64_t* filled = ring.full + ring.stage;
+        MbarExpectTx(filled, kStageBytes);
+        TmaLoad(st + kABytes, w_map, kt * kBK, v0, filled);
         if (!waited) PdlEnter(), waited = true;  // x is the kernel before's output
-        TmaLoad(st, x_map, kt * kBK, m0, full + stage);
-        advance();
+        TmaLoad(st, x_map, kt * kBK, m0, filled);
+        ring.Advance();
       }
     }
     if (!waited) PdlEnter();
@@ -98,16 +91,16 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
-      wgmma::MbarWait(full + stage, phase);
-      const uint32_t sa = ptx::SmemAddr(smem + stage * kStageBytes);
+      ring.WaitFilled();
+      const uint32_t sa = ptx::SmemAddr(ring.Buffer());
       wgmma::MmaStage<128>(acc, sa, sa + kABytes + h * 128 * wgmma::kRowBytes);
-      if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
-      prev = stage;
-      advance();
+      if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
+      prev = ring.stage;
+      ring.Advance();
     }
     wgmma::Wait<0>();
     wgmma::FenceRegs(acc);
-    if (prev >= 0 && lane == 0) wgmma::MbarArrive(empty + prev);
+    if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
 
     // acc[4j + 2r + e] = (x row m0 + 16·warp + gid + 8r, vocabulary row v0 + 8j + 2·tig + e).
 #pragma unroll

@@ -86,6 +86,36 @@ __device__ __forceinline__ void RegsDownTo() {
   K3_WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// A ring of kStages shared-memory buffers of kBytes for a producer feeding MMA warpgroups: the buffers at the
+// 1024-aligned start of dynamic shared memory (the swizzle's period), a full and an empty mbarrier per buffer after
+// them. The producer and the consumers each walk it with their own copy (stage, and the parity of the barriers'
+// next phase).
+template <int kStages, int kBytes>
+struct Ring {
+  static constexpr int kSmem = kStages * kBytes + 1024 + 2 * kStages * 8;  // buffers, alignment, barriers
+  static_assert(kBytes % 1024 == 0, "buffers on 1024 bytes");
+
+  unsigned char* base;
+  uint64_t *full, *empty;
+  int stage = 0;
+  uint32_t phase = 0;
+
+  __device__ explicit Ring(unsigned char* smem_raw)
+      : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023})),
+        full(reinterpret_cast<uint64_t*>(base + kStages * kBytes)),
+        empty(full + kStages) {}
+  // One thread, before a barrier of the whole CTA: arrivals that complete a full / an empty phase.
+  __device__ void Init(int fill_arrivals, int free_arrivals) {
+    for (int s = 0; s < kStages; ++s) MbarInit(full + s, fill_arrivals), MbarInit(empty + s, free_arrivals);
+  }
+  __device__ unsigned char* Buffer() const { return base + stage * kBytes; }
+  __device__ void WaitFree() { MbarWait(empty + stage, phase ^ 1); }  // the producer: its last use is done
+  __device__ void WaitFilled() { MbarWait(full + stage, phase); }     // a consumer: its bytes are in
+  __device__ void Advance() {
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
 // d (N / 2 fp32 per thread) += A · Bᵀ, A and B given by descriptors (m64nNk16). N = 256 (the experts' tile) or
 // 128 (the LM head's); other widths: branch linear-stream.
 template <int N>
