@@ -247,8 +247,44 @@ struct CudaModel::Impl {
                    const std::vector<int32_t>& pre_slot, const int32_t* const* m);
   absl::Status Moe(int64_t l, int64_t N);
   enum class On { kMain, kSide };
-  // y (out: kF32Add adds into x, kF32 writes y) = down · act(gate_up · in).
-  absl::Status Glu(const GluW& g, Split in, int64_t N, float* y, LinearOut out, On on);
+  // hid = act(gate_up · in): the GLU's first product; the caller's down product reads hid.
+  absl::Status GluUp(const GluW& g, Split in, int64_t N, On on);
+
+  // x's adds still to make: a residual product leaves its unfolded sums here and the next norm adds them as it
+  // reads x (AddRmsNorm) — no fold pass, no add kernel. Not with Block AttnRes, which reads x before its norm:
+  // there the products add into x at once (defer false).
+  bool defer = false;
+  Sums pending[2];
+  int npending = 0;
+  absl::Status Pend(Sums s) {
+    if (npending == 2) return absl::InternalError("more than two residual adds before a norm");
+    pending[npending++] = s;
+    return absl::OkStatus();
+  }
+  // x += in · Wᵀ: deferred to the next norm, or added now (Block AttnRes, or rows that need chunks).
+  absl::Status AddProduct(const bf16* w, int64_t n, int64_t k, Split in, int64_t M) {
+    const LinearArgs la = Args(w, n, k, in, M, x, n, LinearOut::kF32Add);
+    if (defer && blas.Unfoldable(la)) {
+      Sums sums;
+      K3_CUDA_OK(blas.RunUnfolded(la, stream, &sums));
+      return Pend(sums);
+    }
+    K3_CUDA_OK(Blas(la));
+    return absl::OkStatus();
+  }
+  // in · Wᵀ as sums for a consumer that adds the halves as it reads them: unfolded when the rows fit one chunk,
+  // else folded into y (fp32, n columns).
+  absl::StatusOr<Sums> Product(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, float* y, On on) {
+    const LinearArgs la = Args(w, n, k, in, M, y, n, LinearOut::kF32);
+    LinearBlas& lb = on == On::kSide ? blas_side : blas;
+    if (lb.Unfoldable(la)) {
+      Sums sums;
+      K3_CUDA_OK(lb.RunUnfolded(la, on == On::kSide ? side : stream, &sums));
+      return sums;
+    }
+    K3_CUDA_OK(Blas(la, on));
+    return Sums{y, n, 0};
+  }
 
   cudaError_t Fork() {
     const cudaError_t e = cudaEventRecord(fork_event, stream);
@@ -263,11 +299,15 @@ struct CudaModel::Impl {
   cudaError_t Blas(const LinearArgs& la, On on = On::kMain) {
     return on == On::kSide ? blas_side.Run(la, side) : blas.Run(la, stream);
   }
-  cudaError_t Lin(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
-                  int64_t y_lo = 0, On on = On::kMain) {
+  static LinearArgs Args(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
+                         int64_t y_lo = 0) {
     LinearArgs la;
     la.N = n, la.K = k, la.w = w, la.x = in, la.y = y, la.ldy = ldy, la.y_lo = y_lo, la.out = out, la.M = M;
-    return Blas(la, on);
+    return la;
+  }
+  cudaError_t Lin(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, void* y, int64_t ldy, LinearOut out,
+                  int64_t y_lo = 0, On on = On::kMain) {
+    return Blas(Args(w, n, k, in, M, y, ldy, out, y_lo), on);
   }
   cudaError_t LinSplit(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, Split y) {
     return Lin(w, n, k, in, M, y.p, y.ld, LinearOut::kSplit, y.lo);
@@ -653,6 +693,7 @@ absl::Status CudaModel::Impl::AllocWork() {
   K3_CUDA_OK(cudaMemset(hits, 0, L * sizeof(int32_t)));
   K3_ASSIGN_OR_RETURN(ids, Alloc<int32_t>(N));
   K3_ASSIGN_OR_RETURN(argmax_keys, Alloc<uint64_t>(N));
+  K3_CUDA_OK(cudaMemset(argmax_keys, 0, N * sizeof(uint64_t)));  // then cleared by each ArgmaxIds that reads them
   // Metadata: 4 per token, 3 per chunk, cu_seqlens, logit rows, has_initial_state bytes.
   meta_cap = 4 * N + 3 * N + (N + 1) + N + N / 4 + 1;
   K3_ASSIGN_OR_RETURN(meta, Alloc<int32_t>(meta_cap));
@@ -667,13 +708,10 @@ absl::Status CudaModel::Impl::AllocWork() {
 
 // ----------------------------------------------------------------------------------------------- forward
 
-absl::Status CudaModel::Impl::Glu(const GluW& g, Split in, int64_t N, float* y, LinearOut out, On on) {
-  LinearArgs la;
-  la.N = 2 * g.I, la.K = c.hidden_size, la.w = g.gate_up, la.x = in;
-  la.y = hid.p, la.ldy = hid.ld, la.y_lo = hid.lo, la.out = LinearOut::kSplit, la.M = N;
+absl::Status CudaModel::Impl::GluUp(const GluW& g, Split in, int64_t N, On on) {
+  LinearArgs la = Args(g.gate_up, 2 * g.I, c.hidden_size, in, N, hid.p, hid.ld, LinearOut::kSplit, hid.lo);
   la.glu = true, la.act = Act(c), la.situ_beta = c.situ_beta, la.situ_linear_beta = c.situ_linear_beta;
   K3_CUDA_OK(Blas(la, on));
-  K3_CUDA_OK(Lin(g.down, c.hidden_size, g.I, hid, N, y, c.hidden_size, out, 0, on));
   return absl::OkStatus();
 }
 
@@ -688,15 +726,10 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   const LinearOut raw = tuned ? LinearOut::kBf16 : LinearOut::kF32;
   std::optional<Phase> phase(std::in_place, *this, "kda.proj");
   K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
-  // The gate products on the side stream, beside the conv; joined before the core.
+  // The decay and beta products on the side stream, beside the conv; joined before the core.
   K3_CUDA_OK(Fork());
   K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
   if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw, 0, On::kSide));
-  if (c.kda_full_rank_gate) {
-    K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32, 0, On::kSide));
-  } else {
-    K3_CUDA_OK(Lin(w.g_b, HD, D, win.Cols(3 * HD + D), N, gate, HD, LinearOut::kF32, 0, On::kSide));
-  }
 
   phase.emplace(*this, "kda.conv");
   KdaConvArgs ca;
@@ -706,6 +739,12 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   K3_CUDA_OK(KdaConv(ca, stream));  // also advances the decode tokens' states: the chunks after them remain
   K3_CUDA_OK(KdaConvUpdateState(ca, np, md[kChStart] + nd, md[kChLen] + nd, md[kChSlot] + nd, stream));
   K3_CUDA_OK(Join());
+  // The output gate's product, beside the core; joined before the gated norm that reads it.
+  if (c.kda_full_rank_gate) {
+    K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32, 0, On::kSide));
+  } else {
+    K3_CUDA_OK(Lin(w.g_b, HD, D, win.Cols(3 * HD + D), N, gate, HD, LinearOut::kF32, 0, On::kSide));
+  }
 
   const KdaGate gk = c.kda_gate_bounded ? KdaGate::kBounded : KdaGate::kSoftplus;
   phase.emplace(*this, "kda.core");
@@ -731,6 +770,7 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
       K3_CUDA_OK(KdaPrefill(kp, batch, stream));
     }
     phase.emplace(*this, "kda.out");
+    K3_CUDA_OK(Join());
     K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gate, w.o_norm, c.rms_norm_eps,
                             Split{onorm.p, D, onorm.lo}, stream));
   } else {
@@ -742,11 +782,11 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
     ks.num_chunks = num_chunks, ks.ch_start = md[kChStart], ks.ch_len = md[kChLen], ks.ch_slot = md[kChSlot];
     K3_CUDA_OK(KdaSmall(ks, stream));
     phase.emplace(*this, "kda.out");
+    K3_CUDA_OK(Join());
     K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const float*>(obuf), gate, w.o_norm, c.rms_norm_eps,
                             Split{onorm.p, D, onorm.lo}, stream));
   }
-  K3_CUDA_OK(Lin(w.o, d, HD, Split{onorm.p, HD, onorm.lo}, N, x, d, LinearOut::kF32Add));
-  return absl::OkStatus();
+  return AddProduct(w.o, d, HD, Split{onorm.p, HD, onorm.lo}, N);
 }
 
 absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::vector<int64_t>& pre_start,
@@ -782,8 +822,7 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
     K3_CUDA_OK(Lin(w.g, ov, d, a, N, gate, ov, LinearOut::kF32));
     K3_CUDA_OK(MulSigmoid(N, ov, o, gate, stream));
   }
-  K3_CUDA_OK(Lin(w.o, d, ov, o, N, x, d, LinearOut::kF32Add));
-  return absl::OkStatus();
+  return AddProduct(w.o, d, ov, o, N);
 }
 
 absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
@@ -791,19 +830,29 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   const int64_t d = c.hidden_size, E = c.num_experts, k = c.top_k, X = c.expert_width();
   if (experts == &local_experts && !opt.routed_experts)
     return absl::FailedPreconditionError("the routed experts are not loaded here and no expert executor is set");
-  // The shared experts read m too: on the side stream, beside everything up to the routed sum; added after it.
-  if (w.shared.gate_up) {
-    K3_CUDA_OK(Fork());
-    K3_RETURN_IF_ERROR(Glu(w.shared, m, N, shared_out, LinearOut::kF32, On::kSide));
-  }
   // Front: router, top-k, latent down-projection.
   std::optional<Phase> phase(std::in_place, *this, "moe.router");
-  K3_CUDA_OK(Lin(w.router, E, d, m, N, rlogits, E, LinearOut::kF32));
+  K3_ASSIGN_OR_RETURN(const Sums logits, Product(w.router, E, d, m, N, rlogits, On::kMain));
   RouterArgs ra;
   ra.N = N, ra.num_experts = E, ra.top_k = k, ra.num_groups = c.num_expert_group, ra.topk_groups = c.topk_group;
   ra.renormalize = c.moe_renormalize, ra.scale = c.routed_scaling_factor;
-  ra.logits = rlogits, ra.bias = w.bias, ra.idx = idx, ra.w = wts;
+  ra.logits = logits.p, ra.ldl = logits.ld, ra.logits_lo_rows = logits.lo_rows;
+  ra.bias = w.bias, ra.idx = idx, ra.w = wts;
   K3_CUDA_OK(RouteTopK(ra, stream));
+  // The shared experts read m too: on the side stream, beside the routed experts; added after them (their down
+  // product's sums, unfolded when x's adds are deferred). Forked here rather than from the norm: in a graph, the
+  // branch a fork puts on another stream starts 5–7 µs late, which the router's chain would pay.
+  Sums shared;
+  if (w.shared.gate_up) {
+    K3_CUDA_OK(Fork());
+    K3_RETURN_IF_ERROR(GluUp(w.shared, m, N, On::kSide));
+    if (defer) {
+      K3_ASSIGN_OR_RETURN(shared, Product(w.shared.down, d, w.shared.I, hid, N, shared_out, On::kSide));
+    } else {
+      K3_CUDA_OK(Lin(w.shared.down, d, w.shared.I, hid, N, shared_out, d, LinearOut::kF32, 0, On::kSide));
+      shared = Sums{shared_out, d, 0};
+    }
+  }
   Split rows = m;
   if (w.latent_down) {
     K3_CUDA_OK(LinSplit(w.latent_down, X, d, m, N, z));
@@ -820,19 +869,18 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
     } else {
       K3_CUDA_OK(ToSplit(N, X, moe_out, X, zn, stream));
     }
-    K3_CUDA_OK(Lin(w.latent_up, d, X, zn, N, x, d, LinearOut::kF32Add));
+    K3_RETURN_IF_ERROR(AddProduct(w.latent_up, d, X, zn, N));
   }
-  const float* shared = nullptr;
-  if (w.shared.gate_up) {
-    K3_CUDA_OK(Join());
-    shared = shared_out;
-  }
+  if (w.shared.gate_up) K3_CUDA_OK(Join());
   // x += routed (unless the up-projection added it), then += shared: the sums the shared product's own kF32Add
   // made after the routed add.
-  if (!w.latent_up) {
-    K3_CUDA_OK(AddInto2(N * d, moe_out, shared, x, stream));
-  } else if (shared) {
-    K3_CUDA_OK(AddInto(N * d, shared, x, stream));
+  if (defer) {
+    if (!w.latent_up) K3_RETURN_IF_ERROR(Pend(Sums{moe_out, d, 0}));
+    if (shared.p) K3_RETURN_IF_ERROR(Pend(shared));
+  } else if (!w.latent_up) {
+    K3_CUDA_OK(AddInto2(N * d, moe_out, shared.p, x, stream));
+  } else if (shared.p) {
+    K3_CUDA_OK(AddInto(N * d, shared.p, x, stream));
   }
   return absl::OkStatus();
 }
@@ -944,17 +992,25 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
     }
     const bool attn_res = c.attn_res_block > 0;
+    defer = !attn_res, npending = 0;
     int64_t banked = 0;
-    auto read = [&](const float* w, const float* n) -> absl::StatusOr<const float*> {
-      if (!attn_res) return x;
-      K3_CUDA_OK(AttnResRead(N, d, bank, cap * d, banked, x, w, n, c.rms_norm_eps, hread, stream));
-      return hread;
+    // out = RMSNorm(h; w) for M rows (rows: which; null: all N) of what the layer reads: x with its pending adds,
+    // or Block AttnRes's read of the bank and x.
+    auto norm = [&](const float* res_w, const float* res_n, const float* w, int64_t M, const int32_t* rows,
+                    Split out) -> absl::Status {
+      if (!attn_res) {
+        K3_CUDA_OK(AddRmsNorm(M, d, x, d, pending[0], pending[1], rows, w, c.rms_norm_eps, out, stream));
+        pending[0] = pending[1] = Sums{}, npending = 0;
+        return absl::OkStatus();
+      }
+      K3_CUDA_OK(AttnResRead(N, d, bank, cap * d, banked, x, res_w, res_n, c.rms_norm_eps, hread, stream));
+      K3_CUDA_OK(RmsNorm(M, d, hread, d, rows, w, c.rms_norm_eps, out, stream));
+      return absl::OkStatus();
     };
     for (int64_t l = 0; l < L; ++l) {
       const LayerW& w = layers[l];
       std::optional<Phase> phase(std::in_place, *this, "norm");
-      K3_ASSIGN_OR_RETURN(const float* h, read(w.attn_res_w, w.attn_res_n));
-      K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.input_norm, c.rms_norm_eps, a, stream));
+      K3_RETURN_IF_ERROR(norm(w.attn_res_w, w.attn_res_n, w.input_norm, N, nullptr, a));
       if (attn_res && l % c.attn_res_block == 0) {  // the partial sum closes a block
         K3_CUDA_OK(
             cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
@@ -968,24 +1024,22 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
         K3_RETURN_IF_ERROR(Mla(l, N, nd, pre_start, pre_len, pre_pos, pre_slot, md));
       }
       phase.emplace(*this, "norm");
-      K3_ASSIGN_OR_RETURN(h, read(w.mlp_res_w, w.mlp_res_n));
-      K3_CUDA_OK(RmsNorm(N, d, h, d, nullptr, w.post_norm, c.rms_norm_eps, m, stream));
+      K3_RETURN_IF_ERROR(norm(w.mlp_res_w, w.mlp_res_n, w.post_norm, N, nullptr, m));
       phase.reset();
       if (c.mlp[l] == Mlp::kDense) {
         Phase p(*this, "dense");
-        K3_RETURN_IF_ERROR(Glu(w.dense, m, N, x, LinearOut::kF32Add, On::kMain));
+        K3_RETURN_IF_ERROR(GluUp(w.dense, m, N, On::kMain));
+        K3_RETURN_IF_ERROR(AddProduct(w.dense.down, d, w.dense.I, hid, N));
       } else {
         K3_RETURN_IF_ERROR(Moe(l, N));
       }
     }
     Phase head(*this, "lm_head");
-    K3_ASSIGN_OR_RETURN(const float* h, read(out_res_w, out_res_n));
     if (R > 0) {
       // The head reads plain bf16 rows (lm_head.cuh): the norm writes no lo plane. Each row's greedy pick is folded
       // on the way; the logits are stored only when kept (greedy decoding would write and never read 42 MB at a
-      // batch of 64). The keys are zeroed first, so the head follows the norm directly (PDL).
-      K3_CUDA_OK(cudaMemsetAsync(argmax_keys, 0, R * sizeof(uint64_t), stream));
-      K3_CUDA_OK(RmsNorm(R, d, h, d, md[kRows], final_norm, c.rms_norm_eps, Split{fn, d, 0}, stream));
+      // batch of 64). The keys are zero here (ArgmaxIds clears them), so the head follows the norm directly (PDL).
+      K3_RETURN_IF_ERROR(norm(out_res_w, out_res_n, final_norm, R, md[kRows], Split{fn, d, 0}));
       LmHeadArgs la;
       la.V = V, la.K = d, la.w = lm_head, la.x = Split{fn, d, 0}, la.M = R;
       la.logits = keep_logits ? logits : nullptr, la.ldl = V, la.argmax_keys = argmax_keys;

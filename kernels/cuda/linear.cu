@@ -230,14 +230,15 @@ cudaError_t Launch(const LinearArgs& a, cudaStream_t stream) {
 
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-cudaError_t Check(const LinearArgs& a) {
+// with_y: the output is written (all but LinearBlas::RunUnfolded).
+cudaError_t Check(const LinearArgs& a, bool with_y = true) {
   const bool glu = a.glu;
-  if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || !a.y ||
+  if (a.N <= 0 || a.K <= 0 || a.K % 16 != 0 || a.w == nullptr || a.x.p == nullptr || (with_y && !a.y) ||
       a.groups < 1 || a.groups > 65535 || (glu && a.N % 2 != 0) || a.M < 0)
     return cudaErrorInvalidValue;
   // 16-byte operand loads: every row and group of x and W must start on 16 bytes.
   if (!Aligned(a.w, 16) || a.w_group_stride % 8 != 0 || !Aligned(a.x.p, 16) || a.x.ld % 8 != 0 ||
-      a.x.lo % 8 != 0 || a.x_group_stride % 8 != 0 || (a.out == LinearOut::kSplit && a.y_lo == 0))
+      a.x.lo % 8 != 0 || a.x_group_stride % 8 != 0 || (with_y && a.out == LinearOut::kSplit && a.y_lo == 0))
     return cudaErrorMisalignedAddress;
   return cudaSuccess;
 }
@@ -536,16 +537,28 @@ cudaError_t LinearBlas::Init(size_t bytes) {
   return cudaSuccess;
 }
 
-cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
+int64_t LinearBlas::ChunkRows(const LinearArgs& a) const {
+  int64_t chunk = a.M;  // the stacked x and C of a chunk fit the workspace
+  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K) > s_->ws_bytes) chunk = chunk / 2;
+  return chunk;
+}
+
+bool LinearBlas::Unfoldable(const LinearArgs& a) const { return !a.glu && a.M > 0 && ChunkRows(a) == a.M; }
+
+cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) { return Product(a, stream, nullptr); }
+
+cudaError_t LinearBlas::RunUnfolded(const LinearArgs& a, cudaStream_t stream, Sums* y) {
+  if (!y || !Unfoldable(a)) return cudaErrorInvalidValue;
+  return Product(a, stream, y);
+}
+
+cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* unfolded) {
   State& s = *s_;
-  K3_CUDA_TRY(Check(a));
+  K3_CUDA_TRY(Check(a, !unfolded));
   if (a.groups != 1 || !s.lt) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const bool split = a.x.lo != 0;
-  const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N);
-  // Rows per chunk: the stacked x and C of a chunk fit the workspace.
-  int64_t chunk = a.M;
-  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K) > s.ws_bytes) chunk = chunk / 2;
+  const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N), chunk = ChunkRows(a);
   if (chunk == 0) return cudaErrorMemoryAllocation;
   // x is used in place when its rows already form the GEMM operand: one chunk, and a split x whose lo plane
   // starts right after its M hi rows (the engine lays its planes out so); else the rows are copied (stacked).
@@ -568,6 +581,10 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) {
     cublasLtMatmulAlgo_t algo;
     K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, a.w, l, stream, &algo));
     K3_CUDA_TRY(Lt(s.Matmul(a.w, l, x, C, &algo, stream)));
+    if (unfolded) {  // one chunk
+      *unfolded = Sums{C, ldc, split ? rows : 0};
+      return cudaSuccess;
+    }
     const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
     const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
                     static_cast<unsigned>(std::min<int64_t>(rows, 65535)));

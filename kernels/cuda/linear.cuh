@@ -71,10 +71,18 @@ class LinearBlas {
   // Creates the handle and a workspace of `bytes` (at least WorkspaceBytes(1, N, K) of the largest product).
   cudaError_t Init(size_t bytes);
   cudaError_t Run(const LinearArgs& a, cudaStream_t stream);
+  // The product without its fold pass: *y = the sums (hi rows, then lo rows), valid until the next call on this
+  // LinearBlas; a.y and a.out are not used. For a consumer that reads the product once and adds the halves as it
+  // reads (AddRmsNorm, RouteTopK): one kernel fewer. Needs one chunk (Unfoldable) and no GLU.
+  bool Unfoldable(const LinearArgs& a) const;
+  cudaError_t RunUnfolded(const LinearArgs& a, cudaStream_t stream, Sums* y);
 
   struct State;
 
  private:
+  cudaError_t Product(const LinearArgs& a, cudaStream_t stream, Sums* unfolded);
+  int64_t ChunkRows(const LinearArgs& a) const;
+
   std::unique_ptr<State> s_;
 };
 

@@ -39,7 +39,10 @@ struct RouterArgs {
   int64_t topk_groups = 1;  // topk_group
   bool renormalize = false;
   float scale = 1.0f;
-  const float* logits = nullptr;  // [N, E] fp32 (the gate GEMM's output)
+  const float* logits = nullptr;  // [N, E] fp32 (the gate GEMM's output), row n at logits + n·ldl
+  int64_t ldl = 0;                 // 0: E
+  // > 0: the gate product's unfolded sums (LinearBlas::RunUnfolded): row n is the sum of rows n and n + lo_rows.
+  int64_t logits_lo_rows = 0;
   const float* bias = nullptr;    // [E] e_score_correction_bias, or null
   int32_t* idx = nullptr;         // [N, k], descending s'
   float* w = nullptr;             // [N, k]

@@ -34,10 +34,24 @@ cpu::RouterParams Cpu(const RouterArgs& a) {
 }
 
 // Routes N tokens of `logits` on the GPU (with the QB histogram when bins > 0) and checks ids, weights
-// and histogram against the CPU.
-void CheckRouter(RouterArgs a, const std::vector<float>& logits, const std::vector<float>& bias, int64_t bins = 0) {
+// and histogram against the CPU. unfolded: the GPU reads them as a product's unfolded sums (rows of E + 5, each
+// logit the fp32 sum of a hi row's value and a small lo row's, the reference the sums).
+void CheckRouter(RouterArgs a, std::vector<float> logits, const std::vector<float>& bias, int64_t bins = 0,
+                 bool unfolded = false) {
   const int64_t N = a.N, E = a.num_experts, k = a.top_k;
-  DeviceBuffer<float> d_logits(logits), d_bias(bias), d_w(N * k);
+  std::vector<float> dev = logits;
+  if (unfolded) {
+    const int64_t ld = E + 5;
+    const auto lo = Random(N * E, 99, 1e-3f);
+    dev.assign(2 * N * ld, NAN);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) {
+        dev[n * ld + e] = logits[n * E + e], dev[(N + n) * ld + e] = lo[n * E + e];
+        logits[n * E + e] += lo[n * E + e];
+      }
+    a.ldl = ld, a.logits_lo_rows = N;
+  }
+  DeviceBuffer<float> d_logits(dev), d_bias(bias), d_w(N * k);
   DeviceBuffer<int32_t> d_idx(N * k), d_hist(std::max<int64_t>(bins, 1) * E);
   a.logits = d_logits.get(), a.bias = bias.empty() ? nullptr : d_bias.get(), a.idx = d_idx.get(), a.w = d_w.get();
   const cpu::QbHistParams qb{bins, -0.5f, 1.0f};
@@ -88,6 +102,7 @@ TEST(RouteTopKCuda, MatchesReference) {
     const auto logits = Random(a.N * a.num_experts, seed++, 2.0f), bias = Random(a.num_experts, seed++, 0.1f);
     CheckRouter(a, logits, bias);
     CheckRouter(a, logits, {});
+    CheckRouter(a, logits, bias, 0, /*unfolded=*/true);
   }
 }
 
@@ -137,7 +152,9 @@ TEST(RouteTopKCuda, RejectsBadShapes) {
   RouterArgs a = Router(1, 64, 33, 1, 1, true, 1.0f);  // k > 32
   a.logits = buf.get(), a.idx = idx.get(), a.w = buf.get();
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
-  a.top_k = 4, a.num_groups = 6;  // 6 does not divide 64
+  a.top_k = 4, a.ldl = 63;  // rows narrower than E
+  EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
+  a.ldl = 0, a.num_groups = 6;  // 6 does not divide 64
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
   a.num_groups = 8, a.topk_groups = 1, a.top_k = 8, a.qb_hist = idx.get(), a.qb_bins = 4, a.qb_rmax = 1.0f;
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);  // one group of 8 has no (k+1)-th expert

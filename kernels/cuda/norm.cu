@@ -47,6 +47,142 @@ __global__ __launch_bounds__(kRowThreads) void RmsNormKernel(int64_t D, const T*
   }
 }
 
+// Σ over the block (any multiple of 32 threads up to 1024); every thread gets the total.
+__device__ float BlockSumAny(float v) {
+  __shared__ float part[32];
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = 0.0f;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += part[w];
+  return s;
+}
+
+__device__ __forceinline__ float4 Add4(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
+
+// The row's 4-column group c4 of a: hi row (+ lo row).
+__device__ __forceinline__ float4 Sum4(const Sums& a, int64_t r, int64_t c4) {
+  const float4* q = reinterpret_cast<const float4*>(a.p + r * a.ld) + c4;
+  return a.lo_rows != 0 ? Add4(q[0], q[a.lo_rows * a.ld / 4]) : q[0];
+}
+
+// AddRmsNorm with 16-byte accesses, the row held in registers (kIt float4 a thread): every load of the row is
+// issued before the first add, one memory round trip instead of one per column group, and one pass over x.
+template <int kIt>
+__global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x, int64_t ldx, Sums a, Sums b,
+                                                            const int32_t* rows, const float* w, float eps, Split y,
+                                                            bool write_x) {
+  PdlEnter();
+  const int64_t i = blockIdx.x, r = rows ? rows[i] : i, D4 = D / 4;
+  float4* xr = reinterpret_cast<float4*>(x + r * ldx);
+  float4 v[kIt], va[kIt], vb[kIt];
+#pragma unroll
+  for (int t = 0; t < kIt; ++t) {
+    const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
+    if (c4 < D4) {
+      v[t] = xr[c4];
+      if (a.p) va[t] = Sum4(a, r, c4);
+      if (b.p) vb[t] = Sum4(b, r, c4);
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kIt; ++t) {
+    const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
+    if (c4 < D4) {
+      if (a.p) v[t] = Add4(v[t], va[t]);
+      if (b.p) v[t] = Add4(v[t], vb[t]);
+      if (write_x) xr[c4] = v[t];
+      ss += v[t].x * v[t].x + v[t].y * v[t].y + v[t].z * v[t].z + v[t].w * v[t].w;
+    }
+  }
+  const float rn = rsqrtf(BlockSumAny(ss) / static_cast<float>(D) + eps);
+#pragma unroll
+  for (int t = 0; t < kIt; ++t) {
+    const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
+    if (c4 >= D4) continue;
+    const float4 g = w ? reinterpret_cast<const float4*>(w)[c4] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+    const float o[4] = {g.x * (v[t].x * rn), g.y * (v[t].y * rn), g.z * (v[t].z * rn), g.w * (v[t].w * rn)};
+    __nv_bfloat16 hi[4], lo[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      hi[q] = __float2bfloat16_rn(o[q]);
+      lo[q] = __float2bfloat16_rn(o[q] - __bfloat162float(hi[q]));
+    }
+    __nv_bfloat16* yp = y.p + i * y.ld + 4 * c4;
+    *reinterpret_cast<uint2*>(yp) = *reinterpret_cast<const uint2*>(hi);
+    if (y.lo != 0) *reinterpret_cast<uint2*>(yp + y.lo) = *reinterpret_cast<const uint2*>(lo);
+  }
+}
+
+// The vector kernel's threads and registers for D, or false when the shapes and addresses do not allow 16-byte
+// accesses (or the row needs more than 8 float4 a thread).
+bool VecShape(int64_t D, const float* x, int64_t ldx, Sums a, Sums b, const float* w, Split y, int* threads, int* it) {
+  auto aligned = [](const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  auto ok = [&](Sums s) { return !s.p || (aligned(s.p, 16) && s.ld % 4 == 0); };
+  if (D % 4 != 0 || ldx % 4 != 0 || !aligned(x, 16) || !ok(a) || !ok(b) || (w && !aligned(w, 16)) || y.ld % 4 != 0 ||
+      y.lo % 4 != 0 || !aligned(y.p, 8))
+    return false;
+  const int64_t D4 = D / 4;
+  for (const int k : {2, 4, 8}) {
+    const int64_t t = (D4 + k - 1) / k;
+    if (t <= 1024) {
+      *it = k, *threads = static_cast<int>((t + 31) / 32 * 32);
+      return true;
+    }
+  }
+  return false;
+}
+
+
+__global__ __launch_bounds__(kRowThreads) void AddRmsNormKernel(int64_t D, float* x, int64_t ldx, Sums a, Sums b,
+                                                                const int32_t* rows, const float* w, float eps, Split y,
+                                                                bool write_x) {
+  PdlEnter();
+  const int64_t i = blockIdx.x, r = rows ? rows[i] : i;
+  float* xr = x + r * ldx;
+  auto h = [&](int64_t c) {
+    float v = xr[c];
+    if (a.p) v += a.At(r, c);
+    if (b.p) v += b.At(r, c);
+    return v;
+  };
+  float ss = 0.0f;
+  for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
+    const float v = h(c);
+    if (write_x) xr[c] = v;  // read back below by this thread
+    ss += v * v;
+  }
+  const float rn = rsqrtf(BlockSum<kRowThreads>(ss) / static_cast<float>(D) + eps);
+  __nv_bfloat16* yr = y.p + i * y.ld;
+  for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
+    const float v = (write_x ? xr[c] : h(c)) * rn;
+    StoreSplit(yr + c, y.lo, w ? w[c] * v : v);
+  }
+}
+
+cudaError_t LaunchAddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums b, const int32_t* rows,
+                             const float* w, float eps, Split y, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(M);
+  const bool write_x = !rows && (a.p || b.p);
+  int threads = 0, it = 0;
+  if (!VecShape(D, x, ldx, a, b, w, y, &threads, &it)) {
+    K3_CUDA_TRY(
+        LaunchKernel(AddRmsNormKernel, grid, kRowThreads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+  } else if (it == 2) {
+    K3_CUDA_TRY(
+        LaunchKernel(AddRmsNormVecKernel<2>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+  } else if (it == 4) {
+    K3_CUDA_TRY(
+        LaunchKernel(AddRmsNormVecKernel<4>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+  } else {
+    K3_CUDA_TRY(
+        LaunchKernel(AddRmsNormVecKernel<8>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+  }
+  return cudaGetLastError();
+}
+
 template <class T>
 __global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const T* x, const float* gate,
                                                                 const float* w, float eps, Split y) {
@@ -73,9 +209,7 @@ cudaError_t RmsNorm(int64_t M, int64_t D, const float* x, int64_t ldx, const int
                     float eps, Split y, cudaStream_t stream) {
   if (Bad(M, D, x, y)) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(RmsNormKernel<float>, static_cast<unsigned>(M), kRowThreads, 0, stream, D, x, ldx, 0, rows,
-                           w, eps, y));
-  return cudaGetLastError();
+  return LaunchAddRmsNorm(M, D, const_cast<float*>(x), ldx, Sums{}, Sums{}, rows, w, eps, y, stream);  // x not written
 }
 
 cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Split y, cudaStream_t stream) {
@@ -85,6 +219,13 @@ cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Sp
                            x.lo, nullptr, w, eps, y));
   return cudaGetLastError();
 }
+
+cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums b, const int32_t* rows, const float* w,
+                       float eps, Split y, cudaStream_t stream) {
+  if (Bad(M, D, x, y) || ldx < D || (a.p && a.ld < D) || (b.p && b.ld < D)) return cudaErrorInvalidValue;
+  return LaunchAddRmsNorm(M, D, x, ldx, a, b, rows, w, eps, y, stream);
+}
+
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const float* gate, const float* w, float eps,
                          Split y, cudaStream_t stream) {

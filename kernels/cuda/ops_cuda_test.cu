@@ -161,6 +161,50 @@ TEST(LinearCuda, BlasMatchesReference) {
   CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, GluAct::kSilu}, true, LinearBlas::WorkspaceBytes(3, 192, 256));
 }
 
+// RunUnfolded leaves the sums the fold reads: hi row + lo row is the folded kF32 output bit for bit (split x), the
+// row itself for a plain x; refused for a GLU or rows that need chunks.
+TEST(LinearCuda, BlasUnfoldedSumsAreTheFold) {
+  REQUIRE_GPU();
+  const int64_t M = 37, N = 100, K = 256;
+  std::vector<float> w = Randn(N * K, 50, 0.05f), x = Randn(M * K, 51);
+  DeviceBuffer<uint16_t> dw(ToBf16(w)), dx(ToSplitPlanes(x));
+  DeviceBuffer<float> dy(M * N);
+  for (const bool split : {true, false}) {
+    LinearBlas lb;
+    CUDA_OK(lb.Init(LinearBlas::WorkspaceBytes(M, N, K)));
+    LinearArgs a;
+    a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{dx.bf(), K, split ? M * K : 0}, a.M = M;
+    a.y = dy.get(), a.ldy = N, a.out = LinearOut::kF32;
+    CUDA_OK(lb.Run(a, nullptr));
+    a.y = nullptr;
+    ASSERT_TRUE(lb.Unfoldable(a));
+    Sums sums;
+    CUDA_OK(lb.RunUnfolded(a, nullptr, &sums));
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(sums.lo_rows, split ? M : 0);
+    ASSERT_GE(sums.ld, N);
+    std::vector<float> C((M + sums.lo_rows) * sums.ld);
+    CUDA_OK(cudaMemcpy(C.data(), sums.p, C.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    const std::vector<float> y = dy.ToHost();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < N; ++c) {
+        const float v = split ? C[r * sums.ld + c] + C[(r + M) * sums.ld + c] : C[r * sums.ld + c];
+        ASSERT_EQ(v, y[r * N + c]) << "split " << split << " row " << r << " col " << c;
+      }
+    LinearArgs glu = a;
+    glu.glu = true;
+    EXPECT_FALSE(lb.Unfoldable(glu));
+    EXPECT_EQ(lb.RunUnfolded(glu, nullptr, &sums), cudaErrorInvalidValue);
+  }
+  LinearBlas small;  // room for chunks of 4 rows
+  CUDA_OK(small.Init(LinearBlas::WorkspaceBytes(4, N, K)));
+  LinearArgs a;
+  a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{dx.bf(), K, M * K}, a.M = M;
+  Sums sums;
+  EXPECT_FALSE(small.Unfoldable(a));
+  EXPECT_EQ(small.RunUnfolded(a, nullptr, &sums), cudaErrorInvalidValue);
+}
+
 // A row's output does not depend on the other rows of the batch (the engine's batched == alone): on Linear,
 // whose pass size follows the grid (16 tokens up to a few rows, 64 at M), and on LinearBlas.
 TEST(LinearCuda, RowsAreBatchInvariant) {
@@ -226,6 +270,7 @@ TEST(LmHeadCuda, MatchesReferenceAndPicksTheFirstMax) {
       EXPECT_EQ(picks[m], std::max_element(row, row + c.V) - row) << "row " << m << " V " << c.V;
     }
     if (c.M > 0) EXPECT_EQ(ids_only.ToHost(), picks) << "keys without logits, V " << c.V;
+    for (const uint64_t k : keys.ToHost()) EXPECT_EQ(k, 0u) << "ArgmaxIds clears the keys it reads";
   }
   // Rows are batch invariant: the first rows alone give the same logits bit for bit.
   const int64_t V = 5000, K = 2304, M = 130;
@@ -303,6 +348,58 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_LT(Rel(FromSplit(dgy.ToHost(), M * H * Dh), gref), 1e-5);
   EXPECT_LT(Rel(FromSplit(dg2.ToHost(), M * H * Dh), gref), 1e-5);
+}
+
+// AddRmsNorm: x += a (a product's unfolded sums: rows of D + 3 or D + 4, lo rows M further) + b (plain fp32),
+// rounded as the fold and AddInto2 round them, then the norm; each addend alone, none, no rows, one row, and with a
+// row list (x left as it is). Rows of D + 4 and D % 4 == 0 take the 16-byte kernel (up to D = 32768), others the
+// scalar one.
+TEST(NormCuda, AddRmsNormFoldsTheResidualAdds) {
+  REQUIRE_GPU();
+  for (const int64_t D : {2304, 1000, 1, 5000, 7168, 33000})
+    for (const int64_t M : {0, 1, 33})
+      for (const int with : {0, 1, 2, 3})  // bit 0: a, bit 1: b
+        for (const int64_t pad : {3, 4}) {
+          const int64_t lda = D + pad;
+          const std::vector<float> x = Randn(M * D + 1, 40, 3.0f), w = Randn(D, 41), b = Randn(M * D + 1, 42);
+          const std::vector<float> a = Randn(2 * M * lda + 1, 43, 0.5f);
+          std::vector<float> h(M * D);
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t c = 0; c < D; ++c) {
+              float v = x[i * D + c];
+              if (with & 1) v += a[i * lda + c] + a[(M + i) * lda + c];
+              if (with & 2) v += b[i * D + c];
+              h[i * D + c] = v;
+            }
+          std::vector<float> ref(M * D), rev(M * D);
+          cpu::RmsNormRef(M, D, h.data(), w.data(), 1e-5f, ref.data());
+          std::vector<int32_t> rows(std::max<int64_t>(M, 1));
+          for (int64_t i = 0; i < M; ++i) rows[i] = static_cast<int32_t>(M - 1 - i);
+          for (int64_t i = 0; i < M; ++i) std::copy_n(ref.data() + rows[i] * D, D, rev.data() + i * D);
+          DeviceBuffer<float> dx(x), dx2(x), dw(w), da(a), db(b);
+          DeviceBuffer<int32_t> drows(rows);
+          DeviceBuffer<uint16_t> dy(2 * M * D + 2), dyr(2 * M * D + 2);
+          const Sums sa = with & 1 ? Sums{da.get(), lda, M} : Sums{}, sb = with & 2 ? Sums{db.get(), D, 0} : Sums{};
+          CUDA_OK(AddRmsNorm(M, D, dx.get(), D, sa, sb, nullptr, dw.get(), 1e-5f, Split{dy.bf(), D, M * D}, nullptr));
+          CUDA_OK(AddRmsNorm(M, D, dx2.get(), D, sa, sb, drows.get(), dw.get(), 1e-5f, Split{dyr.bf(), D, M * D},
+                             nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          const std::string what = "D " + std::to_string(D) + " M " + std::to_string(M) + " with " +
+                                   std::to_string(with) + " pad " + std::to_string(pad);
+          std::vector<float> got_x = dx.ToHost();
+          EXPECT_EQ(got_x.back(), x.back()) << what;  // past the rows
+          got_x.resize(M * D);
+          EXPECT_EQ(got_x, h) << what;
+          EXPECT_EQ(dx2.ToHost(), x) << "a row list leaves x, " << what;
+          if (M == 0) continue;
+          EXPECT_LT(Rel(FromSplit(dy.ToHost(), M * D), ref), 1e-5) << what;
+          EXPECT_LT(Rel(FromSplit(dyr.ToHost(), M * D), rev), 1e-5) << "rows, " << what;
+        }
+  DeviceBuffer<float> buf(64);
+  DeviceBuffer<uint16_t> y(128);
+  EXPECT_EQ(AddRmsNorm(1, 64, buf.get(), 64, Sums{buf.get(), 32, 0}, {}, nullptr, nullptr, 1e-5f,
+                       Split{y.bf(), 64, 64}, nullptr),
+            cudaErrorInvalidValue);  // addend rows narrower than D
 }
 
 // ------------------------------------------------------------------------------------------------- conv

@@ -11,6 +11,7 @@
 #include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe.cuh"
+#include "kernels/cuda/split.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -39,11 +40,11 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
   if (n >= a.N) return;  // the whole warp
   const int E = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
   const int G = static_cast<int>(a.num_groups), per_group = E / G;
-  const float* row = a.logits + n * E;
+  const Sums logits{a.logits, a.ldl ? a.ldl : E, a.logits_lo_rows};
 
   float x[V];
 #pragma unroll
-  for (int t = 0; t < V; ++t) x[t] = t * 32 + lane < E ? row[t * 32 + lane] : 0.0f;
+  for (int t = 0; t < V; ++t) x[t] = t * 32 + lane < E ? logits.At(n, t * 32 + lane) : 0.0f;
   float sb[V];  // s' = float(s) + bias
 #pragma unroll
   for (int t = 0; t < V; ++t) {
@@ -124,7 +125,7 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
 
   // Weights from the unbiased scores, in double like the reference.
   const int e_sel = lane < k ? KeyExpert(mine) : 0;
-  const double s_sel = lane < k ? SigmoidD(row[e_sel]) : 0.0;
+  const double s_sel = lane < k ? SigmoidD(logits.At(n, e_sel)) : 0.0;
   double sum = s_sel;
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane < k) {
@@ -165,7 +166,8 @@ cudaError_t RouteTopK(const RouterArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (a.qb_hist && (a.qb_bins < 1 || !(a.qb_rmax > a.qb_rmin))) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
-  if (!a.logits || !a.idx || !a.w || (a.N + kRouterWarps - 1) / kRouterWarps > 0x7fffffff)
+  if (!a.logits || !a.idx || !a.w || (a.N + kRouterWarps - 1) / kRouterWarps > 0x7fffffff ||
+      (a.ldl != 0 && a.ldl < E) || a.logits_lo_rows < 0)
     return cudaErrorInvalidValue;
   // The same float expression as the CPU reference.
   const float qb_scale = a.qb_hist ? static_cast<float>(a.qb_bins) / (a.qb_rmax - a.qb_rmin) : 0.0f;

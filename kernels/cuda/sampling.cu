@@ -47,10 +47,12 @@ __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float*
   FoldBlockKey(best, keys + blockIdx.x);
 }
 
-__global__ void KeysToIdsKernel(int64_t R, const uint64_t* keys, int32_t* ids) {
+__global__ void KeysToIdsKernel(int64_t R, uint64_t* keys, int32_t* ids) {
   PdlEnter();
   const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (r < R) ids[r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
+  if (r >= R) return;
+  ids[r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
+  keys[r] = 0;
 }
 
 __global__ void FeedKernel(int64_t N, const int32_t* ids, int32_t* tok_id, int32_t* tok_pos) {
@@ -72,7 +74,7 @@ cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, in
   return ArgmaxIds(R, keys, ids, stream);
 }
 
-cudaError_t ArgmaxIds(int64_t R, const uint64_t* keys, int32_t* ids, cudaStream_t stream) {
+cudaError_t ArgmaxIds(int64_t R, uint64_t* keys, int32_t* ids, cudaStream_t stream) {
   if (R < 0 || R > 0x7fffffff || !keys || !ids) return cudaErrorInvalidValue;
   if (R == 0) return cudaSuccess;
   K3_CUDA_TRY(LaunchKernel(KeysToIdsKernel, static_cast<unsigned>((R + 255) / 256), 256, 0, stream, R, keys, ids));

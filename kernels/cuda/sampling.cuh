@@ -12,8 +12,9 @@ namespace k3::cuda {
 // workspace) with an integer max, so the result does not depend on their order.
 cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, int32_t* ids, cudaStream_t stream);
 
-// ids[r] = the id in keys[r], for keys folded elsewhere (the LM head's epilogue: LmHeadArgs::argmax_keys).
-cudaError_t ArgmaxIds(int64_t R, const uint64_t* keys, int32_t* ids, cudaStream_t stream);
+// ids[r] = the id in keys[r], for keys folded elsewhere (the LM head's epilogue: LmHeadArgs::argmax_keys); the
+// keys are cleared to 0 on the way, ready for the next fold (a decode step then needs no memset node of its own).
+cudaError_t ArgmaxIds(int64_t R, uint64_t* keys, int32_t* ids, cudaStream_t stream);
 
 // The next decode step's inputs from this step's greedy ids, on the device: tok_id[n] = ids[n], tok_pos[n] += 1
 // for N one-token sequences (CudaModel::NextGreedy: the host need not see the ids before the next step runs).

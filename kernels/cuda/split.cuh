@@ -22,6 +22,20 @@ struct Split {
   Split Rows(int64_t r) const { return {p + r * ld, ld, lo}; }
 };
 
+// A product's fp32 sums for a split x as cuBLASLt leaves them (LinearBlas::RunUnfolded): row r of x · Wᵀ is
+// p[r·ld + c] + p[(r + lo_rows)·ld + c], the hi rows' sums plus the lo rows'. lo_rows = 0: p alone (any fp32
+// matrix). Kernels that read a product once add the halves themselves, and the product needs no fold pass.
+struct Sums {
+  const float* p = nullptr;
+  int64_t ld = 0, lo_rows = 0;
+#ifdef __CUDACC__
+  __device__ __forceinline__ float At(int64_t r, int64_t c) const {
+    const float* q = p + r * ld + c;
+    return lo_rows != 0 ? q[0] + q[lo_rows * ld] : q[0];
+  }
+#endif
+};
+
 #ifdef __CUDACC__
 __device__ __forceinline__ void StoreSplit(__nv_bfloat16* p, int64_t lo, float x) {
   const __nv_bfloat16 hi = __float2bfloat16_rn(x);
