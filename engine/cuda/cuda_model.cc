@@ -43,6 +43,10 @@ struct KdaW {
   // [q; k; v; f_a; g_a (low-rank gate); b (head dims 64 and 128, whose kernels take b as bf16: one product
   // fewer, b read from the projection output; else b is a product of its own, fp32 out)]
   int64_t in_rows = 0;
+  // [[f_b, 0], [0, g_b]] ([2·H·D, 2·D]): both gates as one product of the adjacent f_a and g_a columns of the input
+  // product, read unfolded by the decode and the gated norm (head dims 64 and 128, low-rank gate). A derived copy,
+  // not counted in weight_bytes.
+  bf16* fg = nullptr;
 };
 struct MlaW {
   bf16 *in = nullptr, *q_b = nullptr, *kv_b = nullptr, *ukt = nullptr, *o = nullptr, *g = nullptr;
@@ -441,6 +445,7 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
   const int64_t d = c.hidden_size, V = c.vocab_size, L = c.num_layers;
   const int64_t start = allocated;
   int64_t routed = 0;             // bytes of routed experts (and their pointer arrays)
+  int64_t derived = 0;            // bytes of weights copied into another layout (KdaW::fg)
   RoutedExperts shared_experts;   // the first MoE layer's (share_routed_experts)
   auto bf = [&](int64_t count) { return Alloc<bf16>(count); };
   auto f32 = [&](int64_t count) { return Alloc<float>(count); };
@@ -499,6 +504,16 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
         K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaGA), k.in + (3 * HD + D) * d));
         K3_ASSIGN_OR_RETURN(k.g_b, bf(HD * D));
         K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaGB), k.g_b));
+      }
+      if (b_in && !c.kda_full_rank_gate) {
+        const int64_t before = allocated;
+        K3_ASSIGN_OR_RETURN(k.fg, bf(2 * HD * 2 * D));
+        K3_CUDA_OK(cudaMemset(k.fg, 0, 2 * HD * 2 * D * sizeof(bf16)));
+        K3_CUDA_OK(cudaMemcpy2D(k.fg, 2 * D * sizeof(bf16), k.f_b, D * sizeof(bf16), D * sizeof(bf16), HD,
+                                cudaMemcpyDeviceToDevice));
+        K3_CUDA_OK(cudaMemcpy2D(k.fg + HD * 2 * D + D, 2 * D * sizeof(bf16), k.g_b, D * sizeof(bf16), D * sizeof(bf16),
+                                HD, cudaMemcpyDeviceToDevice));
+        derived += allocated - before;
       }
       if (b_in) {
         K3_RETURN_IF_ERROR(up.Bf16(layer(l, n::kKdaB), k.in + (k.in_rows - H) * d));
@@ -602,7 +617,7 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
     shared_experts = e.experts;
     routed += allocated - before;
   }
-  weight_bytes = allocated - start - routed;  // everything but the routed experts
+  weight_bytes = allocated - start - routed - derived;  // everything but the routed experts and derived copies
   K3_CUDA_OK(cudaDeviceSynchronize());
   return absl::OkStatus();
 }
@@ -726,10 +741,18 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   const LinearOut raw = tuned ? LinearOut::kBf16 : LinearOut::kF32;
   std::optional<Phase> phase(std::in_place, *this, "kda.proj");
   K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
-  // The decay and beta products on the side stream, beside the conv; joined before the core.
+  // The gate products on the side stream, beside the conv. With KdaW::fg, one product gives every row's
+  // [g_raw | gate] sums, read unfolded by the decode and the gated norm; the prefill's rows read g_raw from f_b's
+  // own product (bf16), run first (both use the side LinearBlas's C). So each row is computed one way whatever
+  // else is in its batch. Without fg, the decay (and beta) products are joined before the core and the output
+  // gate's after it, before the gated norm.
+  const LinearArgs fga = Args(w.fg, 2 * HD, 2 * D, win.Cols(3 * HD), N, nullptr, 0, LinearOut::kF32);
+  const bool fused_gates = w.fg && blas_side.Unfoldable(fga);
+  Sums gates;
   K3_CUDA_OK(Fork());
-  K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
+  if (!fused_gates || np > 0) K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
   if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw, 0, On::kSide));
+  if (fused_gates) K3_CUDA_OK(blas_side.RunUnfolded(fga, side, &gates));
 
   phase.emplace(*this, "kda.conv");
   KdaConvArgs ca;
@@ -739,10 +762,9 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   K3_CUDA_OK(KdaConv(ca, stream));  // also advances the decode tokens' states: the chunks after them remain
   K3_CUDA_OK(KdaConvUpdateState(ca, np, md[kChStart] + nd, md[kChLen] + nd, md[kChSlot] + nd, stream));
   K3_CUDA_OK(Join());
-  // The output gate's product, beside the core; joined before the gated norm that reads it.
   if (c.kda_full_rank_gate) {
     K3_CUDA_OK(Lin(w.g, HD, d, a, N, gate, HD, LinearOut::kF32, 0, On::kSide));
-  } else {
+  } else if (!fused_gates) {
     K3_CUDA_OK(Lin(w.g_b, HD, D, win.Cols(3 * HD + D), N, gate, HD, LinearOut::kF32, 0, On::kSide));
   }
 
@@ -753,13 +775,18 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
     KdaArgs ka;
     ka.H = H, ka.D = D, ka.gate = gk, ka.lower_bound = c.kda_gate_lower_bound;
     ka.A_log = w.A_log, ka.dt_bias = w.dt_bias, ka.state = kda_state[l];
-    ka.q = at(qc, 0, HD), ka.k = at(kc, 0, HD), ka.v = at(vc, 0, HD), ka.g_raw = at(graw, 0, HD);
+    ka.q = at(qc, 0, HD), ka.k = at(kc, 0, HD), ka.v = at(vc, 0, HD);
+    if (fused_gates) {
+      ka.g_sums = gates;
+    } else {
+      ka.g_raw = at(graw, 0, HD);
+    }
     ka.b = win.p + (w.in_rows - H), ka.ldb = win.ld;  // the hi plane: bf16(x · W_b), the product's bf16 output
     ka.o = at(obuf, 0, HD), ka.state_idx = md[kTokSlot];
     if (nd > 0) K3_CUDA_OK(KdaDecode(ka, nd, stream));
     if (np > 0) {
       KdaArgs kp = ka;
-      kp.q = at(qc, nd, HD), kp.k = at(kc, nd, HD), kp.v = at(vc, nd, HD), kp.g_raw = at(graw, nd, HD);
+      kp.q = at(qc, nd, HD), kp.k = at(kc, nd, HD), kp.v = at(vc, nd, HD), kp.g_raw = at(graw, nd, HD), kp.g_sums = {};
       kp.b = ka.b + nd * win.ld, kp.o = at(obuf, nd, HD), kp.state_idx = md[kChSlot] + nd;
       KdaPrefillBatch batch;
       batch.num_seqs = np, batch.cu_seqlens = md[kCu];
@@ -770,9 +797,15 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
       K3_CUDA_OK(KdaPrefill(kp, batch, stream));
     }
     phase.emplace(*this, "kda.out");
-    K3_CUDA_OK(Join());
-    K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gate, w.o_norm, c.rms_norm_eps,
-                            Split{onorm.p, D, onorm.lo}, stream));
+    if (fused_gates) {
+      const Sums gate_sums{gates.p + HD, gates.ld, gates.lo_rows};
+      K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gate_sums, H, w.o_norm, c.rms_norm_eps,
+                              Split{onorm.p, D, onorm.lo}, stream));
+    } else {
+      K3_CUDA_OK(Join());
+      K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gate, w.o_norm, c.rms_norm_eps,
+                              Split{onorm.p, D, onorm.lo}, stream));
+    }
   } else {
     KdaSmallArgs ks;
     ks.H = H, ks.D = D, ks.gate = gk, ks.lower_bound = c.kda_gate_lower_bound;

@@ -21,6 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda/split.cuh"
+
 namespace k3::cuda {
 
 enum class KdaGate {
@@ -35,6 +37,9 @@ struct KdaArgs {
   const __nv_bfloat16* k = nullptr;
   const __nv_bfloat16* v = nullptr;
   const __nv_bfloat16* g_raw = nullptr;
+  // Decode only, instead of g_raw: the gate product's unfolded sums (LinearBlas::RunUnfolded), token n's
+  // g_raw[h, i] at column h·D + i of row n, rounded to bf16 as the fold would have stored it.
+  Sums g_sums;
   const __nv_bfloat16* b = nullptr;
   int64_t ldb = 0;  // row stride of b (elements; 0: H): b may be columns of a wider projection output
   const float* A_log = nullptr;

@@ -304,6 +304,43 @@ TEST(KdaDecode, MatchesRecurrence) {
     }
 }
 
+// g_raw as a product's unfolded sums (hi rows, lo rows N further, rows padded to ld) gives the decode exactly what
+// g_raw = bf16(hi + lo) gives it: the same o and state, bit for bit; padding rows stay untouched.
+TEST(KdaDecode, GateSumsMatchTheFoldedGate) {
+  REQUIRE_GPU();
+  for (const int64_t D : {64, 128}) {
+    const int64_t N = 37;
+    Problem p = MakeProblem(200 + D, 3, D, std::vector<int32_t>(N, 1), KdaGate::kSoftplus, GateRange::kMild,
+                            Init::kAll);
+    std::vector<int32_t> gpu_slot = p.slot;
+    for (int64_t n = 2; n < N; n += 5) gpu_slot[n] = -1;
+    const int64_t hd = p.H * D, ld = hd + 8;
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> sums(2 * N * ld, NAN);
+    std::vector<uint16_t> folded(N * hd);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < hd; ++c) {
+        const float hi = Bf16ToFloat(p.g[n * hd + c]) * (1.0f + 1e-3f * normal(rng));
+        const float lo = 1e-3f * hi * normal(rng);
+        sums[n * ld + c] = hi, sums[(N + n) * ld + c] = lo;
+        folded[n * hd + c] = FloatToBf16(hi + lo);
+      }
+    DeviceBuffer<uint16_t> q(p.q), k(p.k), v(p.v), g(folded), b(p.b);
+    DeviceBuffer<uint16_t> out1(std::vector<uint16_t>(p.q.size(), kPoison)), out2(out1.ToHost());
+    DeviceBuffer<float> A_log(p.A_log), dt_bias(p.dt_bias), state1(p.state), state2(p.state), dsums(sums);
+    DeviceBuffer<int32_t> slot(gpu_slot);
+    CUDA_OK(KdaDecode(Args(p, q, k, v, g, b, A_log, dt_bias, state1, slot, out1), N, nullptr));
+    KdaArgs a = Args(p, q, k, v, g, b, A_log, dt_bias, state2, slot, out2);
+    a.g_raw = nullptr, a.g_sums = Sums{dsums.get(), ld, N};
+    CUDA_OK(KdaDecode(a, N, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(out1.ToHost(), out2.ToHost()) << "D " << D;
+    EXPECT_EQ(state1.ToHost(), state2.ToHost()) << "D " << D;
+    EXPECT_EQ(KdaPrefill(a, KdaPrefillBatch{}, nullptr), cudaErrorInvalidValue);  // the prefill reads g_raw
+  }
+}
+
 // A prompt through the prefill, then decode steps on the state it left: the same as one recurrence. beta's
 // input b sits in a wider buffer (row stride ldb), as in the engine, where it is columns of the projection output.
 TEST(KdaPrefillThenDecode, ContinuesTheRecurrence) {

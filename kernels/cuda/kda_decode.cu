@@ -53,7 +53,9 @@ __global__ __launch_bounds__(kThreads) void KdaDecodeKernel(KdaArgs a) {
   if (tid < D) {
     qi = ToFloat(a.q[row * D + tid]);
     ki = ToFloat(a.k[row * D + tid]);
-    const float x = ToFloat(a.g_raw[row * D + tid]) + a.dt_bias[h * D + tid];
+    const float g_raw = a.g_sums.p ? ToFloat(__float2bfloat16_rn(a.g_sums.At(n, int64_t{h} * D + tid)))
+                                   : ToFloat(a.g_raw[row * D + tid]);
+    const float x = g_raw + a.dt_bias[h * D + tid];
     sdecay[tid] = __expf(kda::Gate(a.gate, x, expf(a.A_log[h]), a.lower_bound));
   }
   const float vj = tid < kBV ? ToFloat(a.v[row * D + vb * kBV + tid]) : 0.0f;

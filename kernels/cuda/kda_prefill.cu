@@ -720,7 +720,7 @@ size_t KdaPrefillWorkspaceBytes(int64_t num_chunks, int64_t H, int64_t D) {
 }
 
 cudaError_t KdaPrefill(const KdaArgs& a, const KdaPrefillBatch& b, cudaStream_t stream) {
-  if (!kda::ValidArgs(a) || b.num_seqs < 0 || b.num_seqs > 65535 || b.num_chunks < 0 ||
+  if (!kda::ValidArgs(a) || !a.g_raw || b.num_seqs < 0 || b.num_seqs > 65535 || b.num_chunks < 0 ||
       b.num_chunks > 0x7fffffff || a.H > 65535)
     return cudaErrorInvalidValue;
   if (b.num_seqs == 0) return cudaSuccess;

@@ -183,9 +183,19 @@ cudaError_t LaunchAddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a
   return cudaGetLastError();
 }
 
+// The gate of row i, column c: a plain [M, D] fp32 gate, or a product's sums (row i / H, column (i % H)·D + c).
+struct GateIn {
+  const float* plain;
+  Sums sums;
+  int64_t H;
+  __device__ __forceinline__ float At(int64_t i, int64_t D, int64_t c) const {
+    return plain ? plain[i * D + c] : sums.At(i / H, (i % H) * D + c);
+  }
+};
+
 template <class T>
-__global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const T* x, const float* gate,
-                                                                const float* w, float eps, Split y) {
+__global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const T* x, GateIn gate, const float* w,
+                                                                float eps, Split y) {
   PdlEnter();
   const int64_t i = blockIdx.x;
   const T* xr = x + i * D;
@@ -196,7 +206,7 @@ __global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const 
   }
   const float r = rsqrtf(BlockSum<kThreads>(ss) / static_cast<float>(D) + eps);
   for (int64_t c = threadIdx.x; c < D; c += kThreads) {
-    const float g = gate[i * D + c];
+    const float g = gate.At(i, D, c);
     StoreSplit(y.p + i * D + c, y.lo, w[c] * (Get(xr, c, 0) * r) / (1.0f + expf(-g)));
   }
 }
@@ -231,8 +241,8 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const flo
                          Split y, cudaStream_t stream) {
   if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x, gate,
-                           w, eps, y));
+  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,
+                           GateIn{gate, Sums{}, 1}, w, eps, y));
   return cudaGetLastError();
 }
 
@@ -240,8 +250,18 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate
                          cudaStream_t stream) {
   if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(
-      LaunchKernel(GatedRmsNormKernel<float>, static_cast<unsigned>(M), kThreads, 0, stream, D, x, gate, w, eps, y));
+  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<float>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,
+                           GateIn{gate, Sums{}, 1}, w, eps, y));
+  return cudaGetLastError();
+}
+
+cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
+                         float eps, Split y, cudaStream_t stream) {
+  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D)
+    return cudaErrorInvalidValue;
+  if (M == 0) return cudaSuccess;
+  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,
+                           GateIn{nullptr, gate, H}, w, eps, y));
   return cudaGetLastError();
 }
 

@@ -31,5 +31,9 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const flo
                          Split y, cudaStream_t stream);
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate, const float* w, float eps, Split y,
                          cudaStream_t stream);
+// The same with the gate as its product's unfolded sums: row i (token i / H, head i % H) at columns
+// (i % H)·D + c of token row i / H — the same fp32 values as the folded gate.
+cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
+                         float eps, Split y, cudaStream_t stream);
 
 }  // namespace k3::cuda

@@ -348,6 +348,27 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_LT(Rel(FromSplit(dgy.ToHost(), M * H * Dh), gref), 1e-5);
   EXPECT_LT(Rel(FromSplit(dg2.ToHost(), M * H * Dh), gref), 1e-5);
+
+  // The gate as a product's unfolded sums (token rows of H·Dh + 4, lo rows M further): the same output, bit for bit,
+  // as the fp32 gate hi + lo.
+  const int64_t ld = H * Dh + 4;
+  std::vector<float> sums(2 * M * ld, NAN), folded(M * H * Dh);
+  const std::vector<float> lo = Randn(M * H * Dh, 18, 1e-3f);
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t c = 0; c < H * Dh; ++c) {
+      sums[t * ld + c] = gate[t * H * Dh + c], sums[(M + t) * ld + c] = lo[t * H * Dh + c];
+      folded[t * H * Dh + c] = gate[t * H * Dh + c] + lo[t * H * Dh + c];
+    }
+  DeviceBuffer<float> dsums(sums), dfolded(folded);
+  DeviceBuffer<uint16_t> dys(2 * M * H * Dh), dyf(2 * M * H * Dh);
+  CUDA_OK(GatedRmsNorm(M * H, Dh, dob.bf(), Sums{dsums.get(), ld, M}, H, dgw.get(), 1e-5f,
+                       Split{dys.bf(), Dh, M * H * Dh}, nullptr));
+  CUDA_OK(GatedRmsNorm(M * H, Dh, dob.bf(), dfolded.get(), dgw.get(), 1e-5f, Split{dyf.bf(), Dh, M * H * Dh}, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dys.ToHost(), dyf.ToHost());
+  EXPECT_EQ(GatedRmsNorm(M * H, Dh, dob.bf(), Sums{dsums.get(), ld, M}, 5, dgw.get(), 1e-5f,
+                         Split{dys.bf(), Dh, M * H * Dh}, nullptr),
+            cudaErrorInvalidValue);  // 5 heads do not divide the rows
 }
 
 // AddRmsNorm: x += a (a product's unfolded sums: rows of D + 3 or D + 4, lo rows M further) + b (plain fp32),
