@@ -692,10 +692,15 @@ absl::Status CudaModel::Impl::AllocWork() {
     K3_CUDA_OK(local_experts.workspace.Reserve(N * k, X, c.moe_intermediate_size, E));
     local_experts.max_rows = N;
   }
-  // The dense products: a workspace for chunks of up to 256 rows of the widest one.
+  // The dense products: a workspace for chunks of up to 256 rows of the widest one, and for MLA's per-head products
+  // of every decode token (W_UK's, the larger), one batch of the heads.
   int64_t widest = std::max({2 * hidden_cols, win_cols, c.num_experts, HD, ov, d});
   int64_t deepest = std::max({d, HD, ov, hidden_cols, c.expert_width(), c.q_lora_rank});
-  K3_CUDA_OK(blas.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), widest, deepest)));
+  size_t blas_bytes = LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), widest, deepest);
+  if (c.has_layer_kind(Mixer::kMla))
+    blas_bytes = std::max(blas_bytes, LinearBlas::WorkspaceBytes(std::min(N, opt.max_seqs), c.kv_lora_rank,
+                                                                 c.qk_nope_dim, c.mla_heads));
+  K3_CUDA_OK(blas.Init(blas_bytes));
   // The side stream's products: the KDA gates (f_b, g_b, b or the full-rank g) and the shared experts.
   K3_CUDA_OK(blas_side.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), std::max({2 * hidden_cols, HD, d}),
                                                        std::max({d, hidden_cols, c.kda_head_dim}))));
@@ -843,7 +848,7 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
   const Split o{onorm.p, ov, onorm.lo};
   if (nd > 0)
     K3_CUDA_OK(MlaDecode(nd, s, q, mla_cache[l], max_ctx, md[kTokSlot], md[kTokPos], w.kv_b, w.ukt, scale, o,
-                         mla_decode_ws, stream));
+                         mla_decode_ws, stream, &blas));
   for (size_t i = 0; i < pre_start.size(); ++i) {
     const int64_t T = pre_len[i], P = pre_pos[i], Tq = std::min(T, kMlaQueryTile);
     K3_RETURN_IF_ERROR(Grow(&scratch, &scratch_bytes, MlaPrefillWorkspaceBytes(s, P + T, Tq)));

@@ -254,9 +254,10 @@ constexpr int kTimedReps = 3;
 int64_t Ldc(int64_t N) { return (N + 7) / 8 * 8; }  // 32-byte rows of C
 size_t Align256(size_t b) { return (b + 255) / 256 * 256; }
 
-// y[row, col0 .. col0 + 3] in a's output mode (groups == 1, the four on 16 bytes (fp32) or 8 (bf16)).
-__device__ __forceinline__ void Store4(const LinearArgs& a, int64_t row, int64_t col0, const float (&v)[4]) {
-  const int64_t off = row * a.ldy + col0;
+// y[group, row, col0 .. col0 + 3] in a's output mode (the four on 16 bytes (fp32) or 8 (bf16)).
+__device__ __forceinline__ void Store4(const LinearArgs& a, int64_t group, int64_t row, int64_t col0,
+                                       const float (&v)[4]) {
+  const int64_t off = group * a.y_group_stride + row * a.ldy + col0;
   if (a.out == LinearOut::kF32 || a.out == LinearOut::kF32Add) {
     float4* p = reinterpret_cast<float4*>(static_cast<float*>(a.y) + off);
     float4 o = make_float4(v[0], v[1], v[2], v[3]);
@@ -282,18 +283,22 @@ constexpr int kFoldCols = 4;
 
 constexpr int kFoldThreads = 256;
 
-// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none). A thread takes four
-// columns (16-byte loads of C when the columns allow). Grid: (column blocks, row stride).
+// y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none); group g's C is
+// c_group_stride further. A thread takes four columns (16-byte loads of C when the columns allow). Grid: (column
+// blocks, row stride, groups).
 __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0,
-                                                          int64_t rows, int64_t lo_rows) {
+                                                          int64_t rows, int64_t lo_rows, int64_t c_group_stride) {
   PdlEnter();
+  const int64_t group = blockIdx.z;
+  C += group * c_group_stride;
   const bool glu = a.glu;
   const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
   if (col0 >= cols) return;
   // float4 loads need every row, the lo plane and the up half on 16 bytes (ldc is a multiple of 8); 4-column
   // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
   const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
-  const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
+  const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && a.y_group_stride % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
     const float* c = C + i * ldc;
     float g[kFoldCols], u[kFoldCols];
@@ -317,10 +322,10 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
       for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
     }
     if (vec && store4) {
-      Store4(a, r0 + i, col0, g);
+      Store4(a, group, r0 + i, col0, g);
     } else {
       for (int q = 0; q < kFoldCols; ++q)
-        if (col0 + q < cols) Store(a, 0, r0 + i, col0 + q, g[q]);
+        if (col0 + q < cols) Store(a, group, r0 + i, col0 + q, g[q]);
     }
   }
 }
@@ -341,7 +346,6 @@ struct LinearBlas::State {
   void* ws = nullptr;  // stacked x, then C
   size_t ws_bytes = 0;
   void* lt_ws = nullptr;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;  // by (N, K, ldx)
 
   ~State() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -358,12 +362,35 @@ struct LinearBlas::State {
       if (x) cublasLtMatrixLayoutDestroy(x);
       if (c) cublasLtMatrixLayoutDestroy(c);
     }
-    cudaError_t Make(int64_t N, int64_t K, int64_t n, int64_t ldx) {
+    // groups > 1: a strided batch (weights w_gs elements apart, x columns x_gs apart, C n · Ldc(N) apart).
+    cudaError_t Make(int64_t N, int64_t K, int64_t n, int64_t ldx, int32_t groups = 1, int64_t w_gs = 0,
+                     int64_t x_gs = 0) {
       K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, K)));
       K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, n, ldx)));
-      return Lt(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, n, Ldc(N)));
+      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, n, Ldc(N))));
+      if (groups == 1) return cudaSuccess;
+      const int64_t c_gs = n * Ldc(N);
+      for (const auto& [layout, stride] : {std::pair{w, w_gs}, std::pair{x, x_gs}, std::pair{c, c_gs}}) {
+        K3_CUDA_TRY(Lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &groups,
+                                                        sizeof(groups))));
+        K3_CUDA_TRY(Lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                        sizeof(stride))));
+      }
+      return cudaSuccess;
     }
   };
+
+  // A product's shape as the algorithm choice sees it: groups > 1 is a strided batch of them.
+  struct Shape {
+    int64_t N, K, ldx, groups, w_gs, x_gs;
+    auto Key() const { return std::make_tuple(N, K, ldx, groups, w_gs, x_gs); }
+    size_t XElems(int64_t n) const { return size_t((groups - 1) * x_gs + n * ldx); }  // of n stacked rows
+    size_t CElems(int64_t n) const { return size_t(groups * n * Ldc(N)); }
+    cudaError_t Make(Layouts* l, int64_t n) const {
+      return l->Make(N, K, n, ldx, static_cast<int32_t>(groups), w_gs, x_gs);
+    }
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;  // by Shape
 
   cublasStatus_t Matmul(const __nv_bfloat16* w, const Layouts& l, const void* x, float* C,
                         const cublasLtMatmulAlgo_t* algo, cudaStream_t stream) {
@@ -427,19 +454,19 @@ struct LinearBlas::State {
     }
   }
 
-  // The fastest of the candidates for kRefRows rows of (N, K, ldx) with weight w, timed on the stream: cuBLASLt's
+  // The fastest of the candidates for kRefRows rows of the shape with weight w, timed on the stream: cuBLASLt's
   // first choice for these skinny products is often not its fastest (the MLA query product: 25 µs against 17 on
   // an H200). Scratch x and C are allocated for the timing and freed.
-  cudaError_t Fastest(int64_t N, int64_t K, int64_t ldx, const __nv_bfloat16* w, const Layouts& ref,
-                      const Candidates& cands, cudaStream_t stream, bool verbose, cublasLtMatmulAlgo_t* best) {
+  cudaError_t Fastest(const Shape& sh, const __nv_bfloat16* w, const Layouts& ref, const Candidates& cands,
+                      cudaStream_t stream, bool verbose, cublasLtMatmulAlgo_t* best) {
     *best = cands.a[0];
     if (cands.n == 1) return cudaSuccess;
     void* x = nullptr;
     float* C = nullptr;
     cudaEvent_t e0 = nullptr, e1 = nullptr;
-    cudaError_t err = cudaMalloc(&x, size_t(kRefRows * ldx) * 2);
-    if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void**>(&C), size_t(kRefRows * Ldc(N)) * 4);
-    if (err == cudaSuccess) err = cudaMemsetAsync(x, 0x3c, size_t(kRefRows * ldx) * 2, stream);  // ≈ 0.011 each
+    cudaError_t err = cudaMalloc(&x, sh.XElems(kRefRows) * 2);
+    if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void**>(&C), sh.CElems(kRefRows) * 4);
+    if (err == cudaSuccess) err = cudaMemsetAsync(x, 0x3c, sh.XElems(kRefRows) * 2, stream);  // ≈ 0.011 each
     int device = 0, l2 = 0;
     if (err == cudaSuccess) err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
@@ -475,18 +502,20 @@ struct LinearBlas::State {
     cudaFree(x);
     cudaFree(C);
     if (verbose && err == cudaSuccess)
-      std::fprintf(stderr, "LinearBlas: N %ld K %ld ldx %ld: candidate %d of %d, %.1f us (first choice %.1f us)\n",
-                   static_cast<long>(N), static_cast<long>(K), static_cast<long>(ldx), best_i, cands.n,
-                   1e3f * best_ms / kTimedReps, 1e3f * first_ms / kTimedReps);
+      std::fprintf(stderr,
+                   "LinearBlas: N %ld K %ld ldx %ld groups %ld: candidate %d of %d, %.1f us (first choice %.1f us)\n",
+                   static_cast<long>(sh.N), static_cast<long>(sh.K), static_cast<long>(sh.ldx),
+                   static_cast<long>(sh.groups), best_i, cands.n, 1e3f * best_ms / kTimedReps,
+                   1e3f * first_ms / kTimedReps);
     return err;
   }
 
-  // The algorithm of (N, K, ldx): chosen once for kRefRows rows and kept for every row count — the fastest
+  // The algorithm of a shape: chosen once for kRefRows rows and kept for every row count — the fastest
   // candidate on this GPU, or cuBLASLt's first choice with K3SERVE_BLAS_TUNE=0 or while the stream is being
   // captured into a graph (nothing can be timed then).
-  cudaError_t Algo(int64_t N, int64_t K, int64_t ldx, const __nv_bfloat16* w, const Layouts& l, cudaStream_t stream,
+  cudaError_t Algo(const Shape& sh, const __nv_bfloat16* w, const Layouts& l, cudaStream_t stream,
                    cublasLtMatmulAlgo_t* algo) {
-    auto it = algos.find({N, K, ldx});
+    auto it = algos.find(sh.Key());
     if (it == algos.end()) {
       static const std::string mode = [] {
         const char* e = std::getenv("K3SERVE_BLAS_TUNE");
@@ -496,12 +525,12 @@ struct LinearBlas::State {
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       K3_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
       Layouts ref;
-      K3_CUDA_TRY(ref.Make(N, K, kRefRows, ldx));
+      K3_CUDA_TRY(sh.Make(&ref, kRefRows));
       Candidates cands;
       K3_CUDA_TRY(Heuristic(ref, tune && capture == cudaStreamCaptureStatusNone ? kTuneCandidates : 1, &cands));
       cublasLtMatmulAlgo_t a;
-      K3_CUDA_TRY(Fastest(N, K, ldx, w, ref, cands, stream, mode == "verbose", &a));
-      it = algos.emplace(std::make_tuple(N, K, ldx), a).first;
+      K3_CUDA_TRY(Fastest(sh, w, ref, cands, stream, mode == "verbose", &a));
+      it = algos.emplace(sh.Key(), a).first;
     }
     cublasLtMatmulHeuristicResult_t check{};
     if (cublasLtMatmulAlgoCheck(lt, desc, l.w, l.x, l.c, l.c, &it->second, &check) == CUBLAS_STATUS_SUCCESS &&
@@ -519,8 +548,8 @@ struct LinearBlas::State {
 LinearBlas::LinearBlas() : s_(std::make_unique<State>()) {}
 LinearBlas::~LinearBlas() = default;
 
-size_t LinearBlas::WorkspaceBytes(int64_t rows, int64_t N, int64_t K) {
-  return Align256(size_t(2 * rows * K) * 2) + Align256(size_t(2 * rows * Ldc(N)) * 4);
+size_t LinearBlas::WorkspaceBytes(int64_t rows, int64_t N, int64_t K, int64_t groups) {
+  return Align256(size_t(2 * rows * K) * 2) + Align256(size_t(groups * 2 * rows * Ldc(N)) * 4);
 }
 
 cudaError_t LinearBlas::Init(size_t bytes) {
@@ -539,11 +568,13 @@ cudaError_t LinearBlas::Init(size_t bytes) {
 
 int64_t LinearBlas::ChunkRows(const LinearArgs& a) const {
   int64_t chunk = a.M;  // the stacked x and C of a chunk fit the workspace
-  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K) > s_->ws_bytes) chunk = chunk / 2;
+  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K, a.groups) > s_->ws_bytes) chunk = chunk / 2;
   return chunk;
 }
 
-bool LinearBlas::Unfoldable(const LinearArgs& a) const { return !a.glu && a.M > 0 && ChunkRows(a) == a.M; }
+bool LinearBlas::Unfoldable(const LinearArgs& a) const {
+  return !a.glu && a.groups == 1 && a.M > 0 && ChunkRows(a) == a.M;
+}
 
 cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) { return Product(a, stream, nullptr); }
 
@@ -555,7 +586,7 @@ cudaError_t LinearBlas::RunUnfolded(const LinearArgs& a, cudaStream_t stream, Su
 cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* unfolded) {
   State& s = *s_;
   K3_CUDA_TRY(Check(a, !unfolded));
-  if (a.groups != 1 || !s.lt) return cudaErrorInvalidValue;
+  if (!s.lt || (unfolded && a.groups != 1)) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const bool split = a.x.lo != 0;
   const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N), chunk = ChunkRows(a);
@@ -564,6 +595,9 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
   // starts right after its M hi rows (the engine lays its planes out so); else the rows are copied (stacked).
   const bool in_place = chunk == a.M && (!split || a.x.lo == a.M * a.x.ld) && Aligned(a.x.p, 256) &&
                         (a.x.ld * 2) % 16 == 0;
+  // Groups run as one strided batch over x in place (the per-head products of MLA): no chunks, no copies.
+  if (a.groups > 1 && (!in_place || a.x_group_stride % 8 != 0 || a.w_group_stride % 8 != 0))
+    return cudaErrorInvalidValue;
   for (int64_t r0 = 0; r0 < a.M; r0 += chunk) {
     const int64_t rows = std::min(chunk, a.M - r0), n = planes * rows;
     auto* C = reinterpret_cast<float*>(static_cast<char*>(s.ws) + Align256(size_t(2 * chunk * a.K) * 2));
@@ -576,10 +610,11 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
                                       a.K * 2, rows, cudaMemcpyDeviceToDevice, stream));
       x = xs, ldx = a.K;
     }
+    const State::Shape shape{a.N, a.K, ldx, a.groups, a.w_group_stride, a.x_group_stride};
     State::Layouts l;
-    K3_CUDA_TRY(l.Make(a.N, a.K, n, ldx));
+    K3_CUDA_TRY(shape.Make(&l, n));
     cublasLtMatmulAlgo_t algo;
-    K3_CUDA_TRY(s.Algo(a.N, a.K, ldx, a.w, l, stream, &algo));
+    K3_CUDA_TRY(s.Algo(shape, a.w, l, stream, &algo));
     K3_CUDA_TRY(Lt(s.Matmul(a.w, l, x, C, &algo, stream)));
     if (unfolded) {  // one chunk
       *unfolded = Sums{C, ldc, split ? rows : 0};
@@ -587,8 +622,9 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
     }
     const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
     const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
-                    static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-    K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, C, ldc, r0, rows, split ? rows : 0));
+                    static_cast<unsigned>(std::min<int64_t>(rows, 65535)), static_cast<unsigned>(a.groups));
+    K3_CUDA_TRY(
+        LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, C, ldc, r0, rows, split ? rows : 0, n * ldc));
     K3_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;

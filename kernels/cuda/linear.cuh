@@ -6,9 +6,10 @@
 //               Each CTA streams a 64-row weight tile (cp.async, six k-blocks in flight per thread) once per pass
 //               of 64 tokens (16 when the grid is small) (weights as the 16-row A operand, tokens as the 8-column
 //               B operand).
-//   LinearBlas  cuBLASLt, for the dense products (one group): the engine's projections (the LM head has its own
-//               kernel, lm_head.cuh). A split x is stacked as [hi; lo] rows so that one GEMM reads the weight once
-//               for both halves; a fold pass sums the halves into the output mode (and applies the GLU).
+//   LinearBlas  cuBLASLt, for the dense products: the engine's projections (the LM head has its own kernel,
+//               lm_head.cuh), and groups as one strided batch (MLA's per-head decode products). A split x is stacked
+//               as [hi; lo] rows so that one GEMM reads the weight once for both halves; a fold pass sums the halves
+//               into the output mode (and applies the GLU).
 #pragma once
 
 #include <cublasLt.h>
@@ -66,8 +67,8 @@ class LinearBlas {
   LinearBlas(const LinearBlas&) = delete;
   LinearBlas& operator=(const LinearBlas&) = delete;
 
-  // Bytes of workspace for chunks of `rows` rows of a product of N outputs and inner dim K.
-  static size_t WorkspaceBytes(int64_t rows, int64_t N, int64_t K);
+  // Bytes of workspace for chunks of `rows` rows of a product of N outputs and inner dim K (of `groups` of them).
+  static size_t WorkspaceBytes(int64_t rows, int64_t N, int64_t K, int64_t groups = 1);
   // Creates the handle and a workspace of `bytes` (at least WorkspaceBytes(1, N, K) of the largest product).
   cudaError_t Init(size_t bytes);
   cudaError_t Run(const LinearArgs& a, cudaStream_t stream);

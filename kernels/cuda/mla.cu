@@ -68,6 +68,20 @@ __global__ void QrKernel(int64_t N, MlaDims s, Split q, Split qa) {
   StoreSplit(qa.p + (n * s.nh + h) * s.cw() + s.r + d, qa.lo, LoadSplit(q.p + n * q.ld + h * s.dqk() + s.dn + d, q.lo));
 }
 
+// The query apart for the products on cuBLASLt: its rope part into qa as QrKernel does, its nope part into qn
+// [N, nh·dn] (both planes, lo N·nh·dn on: one strided batch of the heads reads it in place).
+__global__ void SplitQueryKernel(int64_t N, MlaDims s, Split q, Split qa, Split qn) {
+  PdlEnter();
+  const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
+  if (i >= N * s.nh * s.dqk()) return;
+  const int64_t n = i / (s.nh * s.dqk()), h = i / s.dqk() % s.nh, d = i % s.dqk();
+  const __nv_bfloat16* src = q.p + n * q.ld + h * s.dqk() + d;
+  __nv_bfloat16* dst = d < s.dn ? qn.p + n * qn.ld + h * s.dn + d : qa.p + (n * s.nh + h) * s.cw() + s.r + d - s.dn;
+  const int64_t dst_lo = d < s.dn ? qn.lo : qa.lo;
+  dst[0] = src[0];
+  dst[dst_lo] = src[q.lo];
+}
+
 // Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 32 heads (two 16-row MMA blocks,
 // the MMA's M; heads past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass
 // combines the runs. The split is a function of the token's own length only, so a token's result does not depend
@@ -397,12 +411,14 @@ bool MlaDecodeSupported(const MlaDims& s) {
 
 size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N) {
   return Round256(2 * N * s.nh * s.cw() * sizeof(__nv_bfloat16)) + Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16)) +
-         Round256(N * s.nh * kMaxSplits * s.r * sizeof(float)) + Round256(N * s.nh * kMaxSplits * sizeof(float2));
+         Round256(N * s.nh * kMaxSplits * s.r * sizeof(float)) + Round256(N * s.nh * kMaxSplits * sizeof(float2)) +
+         Round256(2 * N * s.nh * s.dn * sizeof(__nv_bfloat16));
 }
 
 cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
                       const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
-                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, cudaStream_t stream) {
+                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, cudaStream_t stream,
+                      LinearBlas* blas) {
   if (!MlaDecodeSupported(s)) return cudaErrorNotSupported;
   if (N < 0 || !workspace) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
@@ -414,17 +430,26 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   float* part_acc = reinterpret_cast<float*>(ws);
   ws += Round256(N * s.nh * kMaxSplits * s.r * sizeof(float));
   float2* part_ml = reinterpret_cast<float2*>(ws);
+  ws += Round256(N * s.nh * kMaxSplits * sizeof(float2));
+  const Split qn{reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.dn, N * s.nh * s.dn};
   const Split ctx_split{ctx, s.nh * s.r, N * s.nh * s.r};
 
-  // qa[:, h, :r] = q_nope[h] · W_UK[h], one group per head.
+  // qa[:, h, :r] = q_nope[h] · W_UK[h], one group per head (on cuBLASLt, from the query's nope part laid out apart).
   LinearArgs la;
   la.N = s.r, la.K = s.dn, la.w = w_ukt, la.w_group_stride = s.r * s.dn;
   la.x = q, la.x_group_stride = s.dqk();
   la.y = qa.p, la.ldy = qa.ld, la.y_lo = qa.lo, la.y_group_stride = s.cw(), la.out = LinearOut::kSplit;
   la.groups = s.nh, la.M = N;
-  K3_CUDA_TRY(Linear(la, stream));
-  K3_CUDA_TRY(LaunchKernel(QrKernel, Blocks256(N * s.nh * s.dr), 256, 0, stream, N, s, q, qa));
-  K3_CUDA_TRY(cudaGetLastError());
+  if (blas) {
+    K3_CUDA_TRY(LaunchKernel(SplitQueryKernel, Blocks256(N * s.nh * s.dqk()), 256, 0, stream, N, s, q, qa, qn));
+    K3_CUDA_TRY(cudaGetLastError());
+    la.x = qn, la.x_group_stride = s.dn;
+    K3_CUDA_TRY(blas->Run(la, stream));
+  } else {
+    K3_CUDA_TRY(Linear(la, stream));
+    K3_CUDA_TRY(LaunchKernel(QrKernel, Blocks256(N * s.nh * s.dr), 256, 0, stream, N, s, q, qa));
+    K3_CUDA_TRY(cudaGetLastError());
+  }
 
   const size_t smem = DecodeLayout(s.cw()).bytes();
   static const cudaError_t attr = cudaFuncSetAttribute(DecodeMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -444,7 +469,7 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   lo.x = ctx_split, lo.x_group_stride = s.r;
   lo.y = out.p, lo.ldy = out.ld, lo.y_lo = out.lo, lo.y_group_stride = s.dv, lo.out = LinearOut::kSplit;
   lo.groups = s.nh, lo.M = N;
-  return Linear(lo, stream);
+  return blas ? blas->Run(lo, stream) : Linear(lo, stream);
 }
 
 size_t MlaPrefillWorkspaceBytes(const MlaDims& s, int64_t L, int64_t Tq) {

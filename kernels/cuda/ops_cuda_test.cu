@@ -205,6 +205,41 @@ TEST(LinearCuda, BlasUnfoldedSumsAreTheFold) {
   EXPECT_EQ(small.RunUnfolded(a, nullptr, &sums), cudaErrorInvalidValue);
 }
 
+// Groups on LinearBlas (one strided batch: MLA's per-head products) against a double reference: 5 groups of a
+// 40 × 96 product over column slices of a split x, plain fp32 and split outputs, odd rows; an x whose lo plane is
+// not right after its rows (not usable in place) is refused.
+TEST(LinearCuda, BlasGroupsMatchReference) {
+  REQUIRE_GPU();
+  const int64_t G = 5, N = 40, K = 96, M = 13, xgs = 104, ld = G * xgs;
+  std::vector<float> w = Randn(G * N * K, 60, 0.1f), x = Randn(M * ld, 61);
+  const std::vector<uint16_t> wb = ToBf16(w), xs = ToSplitPlanes(x);  // x becomes hi + lo
+  std::vector<float> ref(M * G * N);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double dot = 0;
+        for (int64_t k = 0; k < K; ++k) dot += double(Bf16ToFloat(wb[(g * N + n) * K + k])) * x[m * ld + g * xgs + k];
+        ref[m * G * N + g * N + n] = static_cast<float>(dot);
+      }
+  DeviceBuffer<uint16_t> dw(wb), dx(xs), dys(2 * M * G * N);
+  DeviceBuffer<float> dy(M * G * N);
+  LinearBlas lb;
+  CUDA_OK(lb.Init(LinearBlas::WorkspaceBytes(M, N, K, G)));
+  LinearArgs a;
+  a.N = N, a.K = K, a.w = dw.bf(), a.w_group_stride = N * K, a.x = Split{dx.bf(), ld, M * ld}, a.x_group_stride = xgs;
+  a.y = dy.get(), a.ldy = G * N, a.y_group_stride = N, a.out = LinearOut::kF32, a.groups = G, a.M = M;
+  CUDA_OK(lb.Run(a, nullptr));
+  LinearArgs as = a;
+  as.y = dys.get(), as.y_lo = M * G * N, as.out = LinearOut::kSplit;
+  CUDA_OK(lb.Run(as, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_LT(Rel(dy.ToHost(), ref), 2e-5);
+  EXPECT_LT(Rel(FromSplit(dys.ToHost(), M * G * N), ref), 2e-5);
+  LinearArgs moved = a;
+  moved.x.lo = M * ld + 8;
+  EXPECT_EQ(lb.Run(moved, nullptr), cudaErrorInvalidValue);
+}
+
 // A row's output does not depend on the other rows of the batch (the engine's batched == alone): on Linear,
 // whose pass size follows the grid (16 tokens up to a few rows, 64 at M), and on LinearBlas.
 TEST(LinearCuda, RowsAreBatchInvariant) {
@@ -596,6 +631,14 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
                       nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_LT(Rel(FromSplit(dod.ToHost(), N * s.nh * s.dv), dref), 2e-3) << "decode nh " << s.nh;
+    LinearBlas blas;  // the per-head products as strided batches of the heads on cuBLASLt
+    CUDA_OK(blas.Init(LinearBlas::WorkspaceBytes(N, s.r, s.dn, s.nh)));
+    DeviceBuffer<uint16_t> dob(2 * N * s.nh * s.dv);
+    CUDA_OK(MlaDecode(N, s, Split{dqd.bf(), s.nh * s.dqk(), N * s.nh * s.dqk()}, dpool.bf(), max_ctx, dslot.get(),
+                      dpos.get(), dkv.bf(), dukt.bf(), scale, Split{dob.bf(), s.nh * s.dv, N * s.nh * s.dv}, wsd.get(),
+                      nullptr, &blas));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_LT(Rel(FromSplit(dob.ToHost(), N * s.nh * s.dv), dref), 2e-3) << "decode on LinearBlas, nh " << s.nh;
     EXPECT_EQ(MlaDecode(0, s, Split{dqd.bf(), s.nh * s.dqk(), 0}, dpool.bf(), max_ctx, dslot.get(), dpos.get(),
                         dkv.bf(), dukt.bf(), scale, Split{dod.bf(), s.nh * s.dv, 0}, wsd.get(), nullptr),
               cudaSuccess);  // an empty batch
