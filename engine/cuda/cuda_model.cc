@@ -745,7 +745,17 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   const bool tuned = D == 64 || D == 128;  // else KdaSmall (D ≤ 32), fp32 in and out
   const LinearOut raw = tuned ? LinearOut::kBf16 : LinearOut::kF32;
   std::optional<Phase> phase(std::in_place, *this, "kda.proj");
-  K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
+  // The input product. The conv reads its q, k, v columns unfolded (KdaConvArgs::x_sums, rounded as the fold would
+  // store them); the rest (f_a, g_a, b: the gates' and beta's inputs) is folded into win on the side stream, ahead
+  // of the gate products. Rows that need chunks take the folded path.
+  const LinearArgs in = Args(w.in, w.in_rows, d, a, N, win.p, win.ld, LinearOut::kSplit, win.lo);
+  const bool conv_reads_sums = blas.Unfoldable(in);
+  Sums in_sums;
+  if (conv_reads_sums) {
+    K3_CUDA_OK(blas.RunUnfolded(in, stream, &in_sums));
+  } else {
+    K3_CUDA_OK(Blas(in));
+  }
   // The gate products on the side stream, beside the conv. With KdaW::fg, one product gives every row's
   // [g_raw | gate] sums, read unfolded by the decode and the gated norm; the prefill's rows read g_raw from f_b's
   // own product (bf16), run first (both use the side LinearBlas's C). So each row is computed one way whatever
@@ -755,6 +765,10 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   const bool fused_gates = w.fg && blas_side.Unfoldable(fga);
   Sums gates;
   K3_CUDA_OK(Fork());
+  if (conv_reads_sums) {
+    LinearArgs tail = Args(nullptr, w.in_rows - 3 * HD, d, a, N, win.p + 3 * HD, win.ld, LinearOut::kSplit, win.lo);
+    K3_CUDA_OK(LinearBlas::Fold(tail, Sums{in_sums.p + 3 * HD, in_sums.ld, in_sums.lo_rows}, side));
+  }
   if (!fused_gates || np > 0) K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
   if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw, 0, On::kSide));
   if (fused_gates) K3_CUDA_OK(blas_side.RunUnfolded(fga, side, &gates));
@@ -762,6 +776,7 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   phase.emplace(*this, "kda.conv");
   KdaConvArgs ca;
   ca.N = N, ca.C = 3 * HD, ca.K = c.conv_kernel, ca.x = win, ca.w = w.conv, ca.state = conv_state[l];
+  if (conv_reads_sums) ca.x_sums = in_sums;
   ca.tok_start = md[kTokStart], ca.tok_slot = md[kTokSlot];
   ca.out[0] = qc, ca.out[1] = kc, ca.out[2] = vc, ca.out_bf16 = tuned, ca.decode_tokens = nd;
   K3_CUDA_OK(KdaConv(ca, stream));  // also advances the decode tokens' states: the chunks after them remain

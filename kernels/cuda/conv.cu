@@ -14,6 +14,11 @@ constexpr int kThreads = 256;
 
 constexpr int kMaxK = static_cast<int>(kKdaConvMaxK);  // unrolled (Kimi: K = 4): the K loads are in flight together
 
+// Input row `row`, channel c: from the split x or the unfolded sums.
+__device__ __forceinline__ float Input(const KdaConvArgs& a, int64_t row, int64_t c) {
+  return a.x_sums.p ? RoundSplit(a.x_sums.At(row, c)) : LoadSplit(a.x.p + row * a.x.ld + c, a.x.lo);
+}
+
 // One thread per (token, channel), for any C and K (ConvKernel8 below takes the usual shapes). Grid: (channel
 // blocks, token stride); 32-bit channel math.
 __global__ void ConvKernel(KdaConvArgs a) {
@@ -29,7 +34,7 @@ __global__ void ConvKernel(KdaConvArgs a) {
     for (int j = 0; j < kMaxK; ++j) {
       if (j >= K) break;
       const int src = t - S + j;  // input row; before the chunk: state row S + (src − start)
-      in[j] = src >= start ? LoadSplit(a.x.p + int64_t{src} * a.x.ld + c, a.x.lo) : state[int64_t{S + src - start} * C];
+      in[j] = src >= start ? Input(a, src, c) : state[int64_t{S + src - start} * C];
     }
     float acc = 0.0f;
 #pragma unroll
@@ -78,7 +83,17 @@ __global__ void ConvKernel8(KdaConvArgs a) {
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       const int src = t - S + j;
-      if (src >= start) {
+      if (src >= start && a.x_sums.p) {
+        const float* ph = a.x_sums.p + int64_t{src} * a.x_sums.ld + c0;
+        const float* pl = ph + a.x_sums.lo_rows * a.x_sums.ld;
+        const float4 h0 = reinterpret_cast<const float4*>(ph)[0], h1 = reinterpret_cast<const float4*>(ph)[1];
+        float4 l0 = {0.0f, 0.0f, 0.0f, 0.0f}, l1 = l0;
+        if (a.x_sums.lo_rows) l0 = reinterpret_cast<const float4*>(pl)[0], l1 = reinterpret_cast<const float4*>(pl)[1];
+        const float v[8] = {h0.x + l0.x, h0.y + l0.y, h0.z + l0.z, h0.w + l0.w,
+                            h1.x + l1.x, h1.y + l1.y, h1.z + l1.z, h1.w + l1.w};
+#pragma unroll
+        for (int q = 0; q < 8; ++q) in[j][q] = RoundSplit(v[q]);
+      } else if (src >= start) {
         const __nv_bfloat16* px = a.x.p + int64_t{src} * a.x.ld + c0;
         const int4 hi = *reinterpret_cast<const int4*>(px);
         const int4 lo = a.x.lo ? *reinterpret_cast<const int4*>(px + a.x.lo) : int4{0, 0, 0, 0};
@@ -142,8 +157,7 @@ __global__ void ConvStateKernel(KdaConvArgs a, int num_chunks, const int32_t* ch
     float* state = a.state + int64_t{ch_slot[ch]} * S * C + c;
     for (int r = 0; r < S; ++r) {
       const int src = r + T;
-      state[int64_t{r} * C] = src < S ? state[int64_t{src} * C]
-                                      : LoadSplit(a.x.p + int64_t{start + src - S} * a.x.ld + c, a.x.lo);
+      state[int64_t{r} * C] = src < S ? state[int64_t{src} * C] : Input(a, start + src - S, c);
     }
   }
 }
@@ -151,15 +165,16 @@ __global__ void ConvStateKernel(KdaConvArgs a, int num_chunks, const int32_t* ch
 }  // namespace
 
 cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream) {
-  if (a.N < 0 || a.C <= 0 || a.C % 3 != 0 || a.K < 2 || !a.x.p || !a.w || !a.state || !a.tok_start || !a.tok_slot ||
-      !a.out[0] || !a.out[1] || !a.out[2])
+  if (a.N < 0 || a.C <= 0 || a.C % 3 != 0 || a.K < 2 || (!a.x.p && !a.x_sums.p) || !a.w || !a.state ||
+      !a.tok_start || !a.tok_slot || !a.out[0] || !a.out[1] || !a.out[2] || (a.x_sums.p && a.x_sums.ld < a.C))
     return cudaErrorInvalidValue;
   if (a.decode_tokens < 0 || a.decode_tokens > a.N || a.K > kMaxK) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
   if (a.C > 0x7fffffff || a.N > 0x7fffffff) return cudaErrorInvalidValue;
-  const bool vec = a.K <= 4 && (a.C / 3) % 8 == 0 && a.x.ld % 8 == 0 && a.x.lo % 8 == 0 && Aligned16(a.x.p) &&
-                   Aligned16(a.w) && Aligned16(a.state) && Aligned16(a.out[0]) && Aligned16(a.out[1]) &&
-                   Aligned16(a.out[2]);
+  const bool x_vec = a.x_sums.p ? a.x_sums.ld % 4 == 0 && Aligned16(a.x_sums.p)
+                                : a.x.ld % 8 == 0 && a.x.lo % 8 == 0 && Aligned16(a.x.p);
+  const bool vec = a.K <= 4 && (a.C / 3) % 8 == 0 && x_vec && Aligned16(a.w) && Aligned16(a.state) &&
+                   Aligned16(a.out[0]) && Aligned16(a.out[1]) && Aligned16(a.out[2]);
   if (vec) {
     const dim3 grid(static_cast<unsigned>((a.C / 8 + kThreads - 1) / kThreads),
                     static_cast<unsigned>(std::min<int64_t>(a.N, 65535)));
@@ -184,7 +199,8 @@ cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream) {
 
 cudaError_t KdaConvUpdateState(const KdaConvArgs& a, int64_t num_chunks, const int32_t* ch_start,
                                const int32_t* ch_len, const int32_t* ch_slot, cudaStream_t stream) {
-  if (num_chunks < 0 || a.C <= 0 || a.K < 2 || !a.x.p || !a.state || !ch_start || !ch_len || !ch_slot)
+  if (num_chunks < 0 || a.C <= 0 || a.K < 2 || (!a.x.p && !a.x_sums.p) || !a.state || !ch_start || !ch_len ||
+      !ch_slot)
     return cudaErrorInvalidValue;
   if (num_chunks == 0) return cudaSuccess;
   if (a.C > 0x7fffffff || num_chunks > 0x7fffffff) return cudaErrorInvalidValue;

@@ -19,6 +19,9 @@ struct KdaConvArgs {
   int64_t C = 0;      // channels: q | k | v, C / 3 each
   int64_t K = 0;      // kernel size (2 … kKdaConvMaxK)
   Split x;            // [N, C] projections
+  // Instead of x: the projection product's unfolded sums (LinearBlas::RunUnfolded), each value rounded as its fold
+  // would have stored it (RoundSplit) — the same inputs, one fold pass fewer.
+  Sums x_sums;
   const float* w = nullptr;      // [C, K] (q, k, v conv weights stacked)
   float* state = nullptr;        // pool [slots][K − 1][C], oldest input first
   const int32_t* tok_start = nullptr;  // [N] the row where the token's chunk starts

@@ -294,9 +294,10 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   const bool glu = a.glu;
   const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
   if (col0 >= cols) return;
-  // float4 loads need every row, the lo plane and the up half on 16 bytes (ldc is a multiple of 8); 4-column
-  // stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
-  const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0);
+  // float4 loads need every row, the lo plane and the up half on 16 bytes (LinearBlas's ldc is a multiple of 8;
+  // Fold's sums may start anywhere); 4-column stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
+  const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0) && ldc % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(C) % 16 == 0;
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && a.y_group_stride % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
@@ -577,6 +578,19 @@ bool LinearBlas::Unfoldable(const LinearArgs& a) const {
 }
 
 cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) { return Product(a, stream, nullptr); }
+
+cudaError_t LinearBlas::Fold(const LinearArgs& a, Sums s, cudaStream_t stream) {
+  if (a.N <= 0 || a.M < 0 || !a.y || !s.p || a.glu || a.groups != 1 || s.ld < a.N || s.lo_rows < 0 ||
+      (a.out == LinearOut::kSplit && a.y_lo == 0))
+    return cudaErrorInvalidValue;
+  if (a.M == 0) return cudaSuccess;
+  const int64_t per_block = kFoldThreads * kFoldCols;
+  const dim3 grid(static_cast<unsigned>((a.N + per_block - 1) / per_block),
+                  static_cast<unsigned>(std::min<int64_t>(a.M, 65535)), 1);
+  K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, s.p, s.ld, int64_t{0}, a.M, s.lo_rows,
+                           int64_t{0}));
+  return cudaGetLastError();
+}
 
 cudaError_t LinearBlas::RunUnfolded(const LinearArgs& a, cudaStream_t stream, Sums* y) {
   if (!y || !Unfoldable(a)) return cudaErrorInvalidValue;

@@ -77,6 +77,9 @@ class LinearBlas {
   // reads (AddRmsNorm, RouteTopK): one kernel fewer. Needs one chunk (Unfoldable) and no GLU.
   bool Unfoldable(const LinearArgs& a) const;
   cudaError_t RunUnfolded(const LinearArgs& a, cudaStream_t stream, Sums* y);
+  // The fold pass alone: y (a's output mode, a.N columns, a.M rows, one group, no GLU) from sums — for the columns
+  // of an unfolded product that a later kernel needs folded after all (s.p offset to the first of them).
+  static cudaError_t Fold(const LinearArgs& a, Sums s, cudaStream_t stream);
 
   struct State;
 

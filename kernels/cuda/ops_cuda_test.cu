@@ -523,6 +523,51 @@ TEST(ConvCuda, RaggedChunksWithStateMatchCpu) {
   }
 }
 
+// The input as a product's unfolded sums (hi rows, lo rows N further, rows of C + 4) gives the conv and the state
+// update exactly what the split input split(hi + lo) gives them; the 8-channel kernel (C / 3 = 40) and the scalar
+// one (37), decode tokens and a prefill chunk.
+TEST(ConvCuda, SumsInputIsTheFoldedInput) {
+  REQUIRE_GPU();
+  for (const int64_t C : {3 * 40, 3 * 37}) {
+    const int64_t K = 4, S = K - 1, slots = 4, ld = C + 4;
+    const std::vector<int32_t> len = {1, 1, 9}, slot = {2, 0, 3}, start = {0, 1, 2};
+    std::vector<int32_t> tok_start, tok_slot;
+    for (size_t c = 0; c < len.size(); ++c)
+      for (int32_t t = 0; t < len[c]; ++t) tok_start.push_back(start[c]), tok_slot.push_back(slot[c]);
+    const int64_t N = static_cast<int64_t>(tok_start.size()), d = 2;
+    const std::vector<float> hi = Randn(N * C, 80), lo = Randn(N * C, 81, 1e-3f), w = Randn(C * K, 82, 0.5f),
+                             state = Randn(slots * S * C, 83);
+    std::vector<float> sums(2 * N * ld, NAN), v(N * C);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t c = 0; c < C; ++c) {
+        sums[t * ld + c] = hi[t * C + c], sums[(N + t) * ld + c] = lo[t * C + c];
+        v[t * C + c] = hi[t * C + c] + lo[t * C + c];
+      }
+    DeviceBuffer<uint16_t> dx(ToSplitPlanes(v));
+    DeviceBuffer<float> dsums(sums), dw(w), st1(state), st2(state);
+    DeviceBuffer<uint16_t> o1(3 * N * C / 3), o2(3 * N * C / 3);
+    DeviceBuffer<int32_t> dts(tok_start), dtslot(tok_slot), dcs(start), dcl(len), dcslot(slot);
+    auto run = [&](bool from_sums, DeviceBuffer<float>& st, DeviceBuffer<uint16_t>& o) {
+      KdaConvArgs a;
+      a.N = N, a.C = C, a.K = K, a.w = dw.get(), a.state = st.get();
+      if (from_sums) {
+        a.x_sums = Sums{dsums.get(), ld, N};
+      } else {
+        a.x = Split{dx.bf(), C, N * C};
+      }
+      a.tok_start = dts.get(), a.tok_slot = dtslot.get(), a.decode_tokens = d;
+      for (int p = 0; p < 3; ++p) a.out[p] = o.bf() + p * N * C / 3;
+      CUDA_OK(KdaConv(a, nullptr));
+      CUDA_OK(KdaConvUpdateState(a, 1, dcs.get() + d, dcl.get() + d, dcslot.get() + d, nullptr));
+    };
+    run(false, st1, o1);
+    run(true, st2, o2);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(o1.ToHost(), o2.ToHost()) << "C " << C;
+    EXPECT_EQ(st1.ToHost(), st2.ToHost()) << "C " << C;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ KDA
 
 TEST(KdaSmallCuda, RecurrenceMatchesCpu) {

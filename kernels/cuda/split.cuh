@@ -47,6 +47,13 @@ __device__ __forceinline__ float LoadSplit(const __nv_bfloat16* p, int64_t lo) {
   const float hi = __bfloat162float(p[0]);
   return lo != 0 ? hi + __bfloat162float(p[lo]) : hi;
 }
+
+// x as StoreSplit then LoadSplit leave it (16 significant bits): what a kernel reads from a product's folded split
+// output, computed from its unfolded sums instead.
+__device__ __forceinline__ float RoundSplit(float x) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+  return __bfloat162float(hi) + __bfloat162float(__float2bfloat16_rn(x - __bfloat162float(hi)));
+}
 #endif
 
 }  // namespace k3::cuda
