@@ -701,9 +701,11 @@ absl::Status CudaModel::Impl::AllocWork() {
     blas_bytes = std::max(blas_bytes, LinearBlas::WorkspaceBytes(std::min(N, opt.max_seqs), c.kv_lora_rank,
                                                                  c.qk_nope_dim, c.mla_heads));
   K3_CUDA_OK(blas.Init(blas_bytes));
-  // The side stream's products: the KDA gates (f_b, g_b, b or the full-rank g) and the shared experts.
-  K3_CUDA_OK(blas_side.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256), std::max({2 * hidden_cols, HD, d}),
-                                                       std::max({d, hidden_cols, c.kda_head_dim}))));
+  // The side stream's products: the KDA gates (f_b and g_b as one, [2·H·D, 2·D]; b or the full-rank g) and the
+  // shared experts.
+  K3_CUDA_OK(blas_side.Init(LinearBlas::WorkspaceBytes(std::min<int64_t>(N, 256),
+                                                       std::max({2 * hidden_cols, 2 * HD, d}),
+                                                       std::max({d, hidden_cols, 2 * c.kda_head_dim}))));
   bool any_shared = false;
   for (const LayerW& w : layers) any_shared = any_shared || w.moe.shared.gate_up;
   if (any_shared) {
