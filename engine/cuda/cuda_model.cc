@@ -256,19 +256,19 @@ struct CudaModel::Impl {
 
   // x's adds still to make: a residual product leaves its unfolded sums here and the next norm adds them as it
   // reads x (AddRmsNorm) — no fold pass, no add kernel. Not with Block AttnRes, which reads x before its norm:
-  // there the products add into x at once (defer false).
-  bool defer = false;
+  // there the products add into x at once (Defer() false).
+  bool Defer() const { return c.attn_res_block <= 0; }
   Sums pending[2];
-  int npending = 0;
   absl::Status Pend(Sums s) {
-    if (npending == 2) return absl::InternalError("more than two residual adds before a norm");
-    pending[npending++] = s;
+    Sums* free = !pending[0].p ? &pending[0] : !pending[1].p ? &pending[1] : nullptr;
+    if (!free) return absl::InternalError("more than two residual adds before a norm");
+    *free = s;
     return absl::OkStatus();
   }
   // x += in · Wᵀ: deferred to the next norm, or added now (Block AttnRes, or rows that need chunks).
   absl::Status AddProduct(const bf16* w, int64_t n, int64_t k, Split in, int64_t M) {
     const LinearArgs la = Args(w, n, k, in, M, x, n, LinearOut::kF32Add);
-    if (defer && blas.Unfoldable(la)) {
+    if (Defer() && blas.Unfoldable(la)) {
       Sums sums;
       K3_CUDA_OK(blas.RunUnfolded(la, stream, &sums));
       return Pend(sums);
@@ -768,7 +768,9 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
   Sums gates;
   K3_CUDA_OK(Fork());
   if (conv_reads_sums) {
-    LinearArgs tail = Args(nullptr, w.in_rows - 3 * HD, d, a, N, win.p + 3 * HD, win.ld, LinearOut::kSplit, win.lo);
+    LinearArgs tail;  // the fold's output: columns 3·HD.. of win
+    tail.N = w.in_rows - 3 * HD, tail.M = N, tail.out = LinearOut::kSplit;
+    tail.y = win.p + 3 * HD, tail.ldy = win.ld, tail.y_lo = win.lo;
     K3_CUDA_OK(LinearBlas::Fold(tail, Sums{in_sums.p + 3 * HD, in_sums.ld, in_sums.lo_rows}, side));
   }
   if (!fused_gates || np > 0) K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
@@ -865,7 +867,7 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
   const Split o{onorm.p, ov, onorm.lo};
   if (nd > 0)
     K3_CUDA_OK(MlaDecode(nd, s, q, mla_cache[l], max_ctx, md[kTokSlot], md[kTokPos], w.kv_b, w.ukt, scale, o,
-                         mla_decode_ws, stream, &blas));
+                         mla_decode_ws, blas, stream));
   for (size_t i = 0; i < pre_start.size(); ++i) {
     const int64_t T = pre_len[i], P = pre_pos[i], Tq = std::min(T, kMlaQueryTile);
     K3_RETURN_IF_ERROR(Grow(&scratch, &scratch_bytes, MlaPrefillWorkspaceBytes(s, P + T, Tq)));
@@ -901,7 +903,7 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   if (w.shared.gate_up) {
     K3_CUDA_OK(Fork());
     K3_RETURN_IF_ERROR(GluUp(w.shared, m, N, On::kSide));
-    if (defer) {
+    if (Defer()) {
       K3_ASSIGN_OR_RETURN(shared, Product(w.shared.down, d, w.shared.I, hid, N, shared_out, On::kSide));
     } else {
       K3_CUDA_OK(Lin(w.shared.down, d, w.shared.I, hid, N, shared_out, d, LinearOut::kF32, 0, On::kSide));
@@ -929,7 +931,7 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   if (w.shared.gate_up) K3_CUDA_OK(Join());
   // x += routed (unless the up-projection added it), then += shared: the sums the shared product's own kF32Add
   // made after the routed add.
-  if (defer) {
+  if (Defer()) {
     if (!w.latent_up) K3_RETURN_IF_ERROR(Pend(Sums{moe_out, d, 0}));
     if (shared.p) K3_RETURN_IF_ERROR(Pend(shared));
   } else if (!w.latent_up) {
@@ -1047,15 +1049,15 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
     }
     const bool attn_res = c.attn_res_block > 0;
-    defer = !attn_res, npending = 0;
+    pending[0] = pending[1] = Sums{};  // a failed forward may have left some
     int64_t banked = 0;
     // out = RMSNorm(h; w) for M rows (rows: which; null: all N) of what the layer reads: x with its pending adds,
     // or Block AttnRes's read of the bank and x.
     auto norm = [&](const float* res_w, const float* res_n, const float* w, int64_t M, const int32_t* rows,
                     Split out) -> absl::Status {
-      if (!attn_res) {
+      if (Defer()) {
         K3_CUDA_OK(AddRmsNorm(M, d, x, d, pending[0], pending[1], rows, w, c.rms_norm_eps, out, stream));
-        pending[0] = pending[1] = Sums{}, npending = 0;
+        pending[0] = pending[1] = Sums{};
         return absl::OkStatus();
       }
       K3_CUDA_OK(AttnResRead(N, d, bank, cap * d, banked, x, res_w, res_n, c.rms_norm_eps, hread, stream));

@@ -119,7 +119,6 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     float acc[kBN / 2];
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
-    int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFilled();
       if (live) {
@@ -127,15 +126,13 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
         const uint32_t st = ptx::SmemAddr(ring.Buffer());
         wgmma::MmaStage<kBN>(acc, st + half * 64 * wgmma::kRowBytes, st + kABytes);
       }
-      if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
-      prev = ring.stage;
-      ring.Advance();
+      ring.Consumed(lane == 0);
     }
     // Unconditional (a warpgroup that issued nothing returns at once): under `if (live)` ptxas adds a wait of its
     // own on the other path (C7517).
     wgmma::Wait<0>();
     wgmma::FenceRegs(acc);
-    if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
+    ring.Release(lane == 0);
     if (!live) continue;
 
     // Accumulator (row 16·warp + gid [+ 8], column 8j + 2tig [+ 1]) = acc[4j + (0, 1) (+ 2)]. Four n8 blocks of

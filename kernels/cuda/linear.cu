@@ -268,15 +268,7 @@ __device__ __forceinline__ void Store4(const LinearArgs& a, int64_t group, int64
     *p = o;
     return;
   }
-  __nv_bfloat16* p = static_cast<__nv_bfloat16*>(a.y) + off;
-  __nv_bfloat16 hi[4], lo[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    hi[q] = __float2bfloat16_rn(v[q]);
-    lo[q] = __float2bfloat16_rn(v[q] - __bfloat162float(hi[q]));
-  }
-  *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(hi);
-  if (a.out == LinearOut::kSplit) *reinterpret_cast<uint2*>(p + a.y_lo) = *reinterpret_cast<const uint2*>(lo);
+  StoreSplit4(static_cast<__nv_bfloat16*>(a.y) + off, a.out == LinearOut::kSplit ? a.y_lo : 0, v);
 }
 
 constexpr int kFoldCols = 4;

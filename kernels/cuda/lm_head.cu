@@ -89,18 +89,15 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    int prev = -1;
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFilled();
       const uint32_t sa = ptx::SmemAddr(ring.Buffer());
       wgmma::MmaStage<128>(acc, sa, sa + kABytes + h * 128 * wgmma::kRowBytes);
-      if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
-      prev = ring.stage;
-      ring.Advance();
+      ring.Consumed(lane == 0);
     }
     wgmma::Wait<0>();
     wgmma::FenceRegs(acc);
-    if (prev >= 0 && lane == 0) wgmma::MbarArrive(ring.empty + prev);
+    ring.Release(lane == 0);
 
     // acc[4j + 2r + e] = (x row m0 + 16·warp + gid + 8r, vocabulary row v0 + 8j + 2·tig + e).
 #pragma unroll

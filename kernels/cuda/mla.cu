@@ -59,17 +59,9 @@ __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfl
   w_ukt[i] = kv_b[(h * s.dkv() + d) * s.r + c];
 }
 
-// The rope part of the absorbed query [q_nope·W_UK | q_r]: qa[n, h, r:] = q_r of token n, head h (split in and out).
-__global__ void QrKernel(int64_t N, MlaDims s, Split q, Split qa) {
-  PdlEnter();
-  const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
-  if (i >= N * s.nh * s.dr) return;
-  const int64_t n = i / (s.nh * s.dr), h = i / s.dr % s.nh, d = i % s.dr;
-  StoreSplit(qa.p + (n * s.nh + h) * s.cw() + s.r + d, qa.lo, LoadSplit(q.p + n * q.ld + h * s.dqk() + s.dn + d, q.lo));
-}
-
-// The query apart for the products on cuBLASLt: its rope part into qa as QrKernel does, its nope part into qn
-// [N, nh·dn] (both planes, lo N·nh·dn on: one strided batch of the heads reads it in place).
+// The query taken apart: its rope part into the absorbed query [q_nope·W_UK | q_r] (qa[n, h, r:] = q_r of token n,
+// head h), its nope part into qn [N, nh·dn] (both planes, lo N·nh·dn on: one strided batch of the heads reads it in
+// place, whatever else is in the batch).
 __global__ void SplitQueryKernel(int64_t N, MlaDims s, Split q, Split qa, Split qn) {
   PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
@@ -417,8 +409,8 @@ size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N) {
 
 cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
                       const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
-                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, cudaStream_t stream,
-                      LinearBlas* blas) {
+                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, LinearBlas& blas,
+                      cudaStream_t stream) {
   if (!MlaDecodeSupported(s)) return cudaErrorNotSupported;
   if (N < 0 || !workspace) return cudaErrorInvalidValue;
   if (N == 0) return cudaSuccess;
@@ -434,22 +426,15 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   const Split qn{reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.dn, N * s.nh * s.dn};
   const Split ctx_split{ctx, s.nh * s.r, N * s.nh * s.r};
 
-  // qa[:, h, :r] = q_nope[h] · W_UK[h], one group per head (on cuBLASLt, from the query's nope part laid out apart).
+  // qa[:, h, :r] = q_nope[h] · W_UK[h], one group per head.
+  K3_CUDA_TRY(LaunchKernel(SplitQueryKernel, Blocks256(N * s.nh * s.dqk()), 256, 0, stream, N, s, q, qa, qn));
+  K3_CUDA_TRY(cudaGetLastError());
   LinearArgs la;
   la.N = s.r, la.K = s.dn, la.w = w_ukt, la.w_group_stride = s.r * s.dn;
-  la.x = q, la.x_group_stride = s.dqk();
+  la.x = qn, la.x_group_stride = s.dn;
   la.y = qa.p, la.ldy = qa.ld, la.y_lo = qa.lo, la.y_group_stride = s.cw(), la.out = LinearOut::kSplit;
   la.groups = s.nh, la.M = N;
-  if (blas) {
-    K3_CUDA_TRY(LaunchKernel(SplitQueryKernel, Blocks256(N * s.nh * s.dqk()), 256, 0, stream, N, s, q, qa, qn));
-    K3_CUDA_TRY(cudaGetLastError());
-    la.x = qn, la.x_group_stride = s.dn;
-    K3_CUDA_TRY(blas->Run(la, stream));
-  } else {
-    K3_CUDA_TRY(Linear(la, stream));
-    K3_CUDA_TRY(LaunchKernel(QrKernel, Blocks256(N * s.nh * s.dr), 256, 0, stream, N, s, q, qa));
-    K3_CUDA_TRY(cudaGetLastError());
-  }
+  K3_CUDA_TRY(blas.Run(la, stream));
 
   const size_t smem = DecodeLayout(s.cw()).bytes();
   static const cudaError_t attr = cudaFuncSetAttribute(DecodeMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -469,7 +454,7 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
   lo.x = ctx_split, lo.x_group_stride = s.r;
   lo.y = out.p, lo.ldy = out.ld, lo.y_lo = out.lo, lo.y_group_stride = s.dv, lo.out = LinearOut::kSplit;
   lo.groups = s.nh, lo.M = N;
-  return blas ? blas->Run(lo, stream) : Linear(lo, stream);
+  return blas.Run(lo, stream);
 }
 
 size_t MlaPrefillWorkspaceBytes(const MlaDims& s, int64_t L, int64_t Tq) {

@@ -46,13 +46,12 @@ cudaError_t MlaTransposeUk(const MlaDims& s, const __nv_bfloat16* kv_b, __nv_bfl
 // (MlaDecodeSupported); other shapes get cudaErrorNotSupported.
 bool MlaDecodeSupported(const MlaDims& s);
 size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N);
-// The per-head products (the query's with W_UK, the context's with W_UV) run on `blas` (each one strided batch of
-// the heads on cuBLASLt; its workspace: LinearBlas::WorkspaceBytes(N, r, dn, nh) at least) when given, else on
-// Linear.
+// The per-head products (the query's with W_UK, the context's with W_UV) run on `blas`, each one strided batch of
+// the heads on cuBLASLt (its workspace: LinearBlas::WorkspaceBytes(N, r, dn, nh) at least).
 cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
                       const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
-                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, cudaStream_t stream,
-                      LinearBlas* blas = nullptr);
+                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, LinearBlas& blas,
+                      cudaStream_t stream);
 
 // Prefill of one sequence: T new tokens at positions P..P+T−1 over cache rows 0..P+T−1 (the new ones
 // appended), in query tiles of up to Tq tokens.

@@ -9,46 +9,11 @@ namespace {
 constexpr int kThreads = 128;     // gated norm: many short rows (heads)
 constexpr int kRowThreads = 512;  // RMSNorm: one CTA per (long) row, so more loads in flight per row
 
-__device__ __forceinline__ float Get(const float* x, int64_t i, int64_t) { return x[i]; }
-__device__ __forceinline__ float Get(const __nv_bfloat16* x, int64_t i, int64_t lo) { return LoadSplit(x + i, lo); }
+__device__ __forceinline__ float Get(const float* x, int64_t i) { return x[i]; }
+__device__ __forceinline__ float Get(const __nv_bfloat16* x, int64_t i) { return __bfloat162float(x[i]); }
 
-// Σ over the block of kBlock threads; every thread gets the total.
-template <int kBlock>
+// Σ over the block (a multiple of 32 threads up to 1024); every thread gets the total. Once per kernel.
 __device__ float BlockSum(float v) {
-  __shared__ float part[kBlock / 32];
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  __syncthreads();  // part may still be read by a previous call
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float s = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kBlock / 32; ++w) s += part[w];
-  return s;
-}
-
-// One CTA per row. x_lo: the lo plane offset of a split x (ignored for fp32).
-template <class T>
-__global__ __launch_bounds__(kRowThreads) void RmsNormKernel(int64_t D, const T* x, int64_t ldx, int64_t x_lo,
-                                                              const int32_t* rows, const float* w, float eps,
-                                                              Split y) {
-  PdlEnter();
-  const int64_t i = blockIdx.x;
-  const T* xr = x + (rows ? rows[i] : i) * ldx;
-  float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
-    const float v = Get(xr, c, x_lo);
-    ss += v * v;
-  }
-  const float r = rsqrtf(BlockSum<kRowThreads>(ss) / static_cast<float>(D) + eps);
-  __nv_bfloat16* yr = y.p + i * y.ld;
-  for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
-    const float v = Get(xr, c, x_lo) * r;
-    StoreSplit(yr + c, y.lo, w ? w[c] * v : v);
-  }
-}
-
-// Σ over the block (any multiple of 32 threads up to 1024); every thread gets the total.
-__device__ float BlockSumAny(float v) {
   __shared__ float part[32];
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
@@ -56,6 +21,24 @@ __device__ float BlockSumAny(float v) {
   float s = 0.0f;
   for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += part[w];
   return s;
+}
+
+// One CTA per row of a split x.
+__global__ __launch_bounds__(kRowThreads) void RmsNormKernel(int64_t D, Split x, const float* w, float eps, Split y) {
+  PdlEnter();
+  const int64_t i = blockIdx.x;
+  const __nv_bfloat16* xr = x.p + i * x.ld;
+  float ss = 0.0f;
+  for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
+    const float v = LoadSplit(xr + c, x.lo);
+    ss += v * v;
+  }
+  const float r = rsqrtf(BlockSum(ss) / static_cast<float>(D) + eps);
+  __nv_bfloat16* yr = y.p + i * y.ld;
+  for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
+    const float v = LoadSplit(xr + c, x.lo) * r;
+    StoreSplit(yr + c, y.lo, w ? w[c] * v : v);
+  }
 }
 
 __device__ __forceinline__ float4 Add4(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
@@ -96,22 +79,14 @@ __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x,
       ss += v[t].x * v[t].x + v[t].y * v[t].y + v[t].z * v[t].z + v[t].w * v[t].w;
     }
   }
-  const float rn = rsqrtf(BlockSumAny(ss) / static_cast<float>(D) + eps);
+  const float rn = rsqrtf(BlockSum(ss) / static_cast<float>(D) + eps);
 #pragma unroll
   for (int t = 0; t < kIt; ++t) {
     const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
     if (c4 >= D4) continue;
     const float4 g = w ? reinterpret_cast<const float4*>(w)[c4] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     const float o[4] = {g.x * (v[t].x * rn), g.y * (v[t].y * rn), g.z * (v[t].z * rn), g.w * (v[t].w * rn)};
-    __nv_bfloat16 hi[4], lo[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      hi[q] = __float2bfloat16_rn(o[q]);
-      lo[q] = __float2bfloat16_rn(o[q] - __bfloat162float(hi[q]));
-    }
-    __nv_bfloat16* yp = y.p + i * y.ld + 4 * c4;
-    *reinterpret_cast<uint2*>(yp) = *reinterpret_cast<const uint2*>(hi);
-    if (y.lo != 0) *reinterpret_cast<uint2*>(yp + y.lo) = *reinterpret_cast<const uint2*>(lo);
+    StoreSplit4(y.p + i * y.ld + 4 * c4, y.lo, o);
   }
 }
 
@@ -134,7 +109,6 @@ bool VecShape(int64_t D, const float* x, int64_t ldx, Sums a, Sums b, const floa
   return false;
 }
 
-
 __global__ __launch_bounds__(kRowThreads) void AddRmsNormKernel(int64_t D, float* x, int64_t ldx, Sums a, Sums b,
                                                                 const int32_t* rows, const float* w, float eps, Split y,
                                                                 bool write_x) {
@@ -153,7 +127,7 @@ __global__ __launch_bounds__(kRowThreads) void AddRmsNormKernel(int64_t D, float
     if (write_x) xr[c] = v;  // read back below by this thread
     ss += v * v;
   }
-  const float rn = rsqrtf(BlockSum<kRowThreads>(ss) / static_cast<float>(D) + eps);
+  const float rn = rsqrtf(BlockSum(ss) / static_cast<float>(D) + eps);
   __nv_bfloat16* yr = y.p + i * y.ld;
   for (int64_t c = threadIdx.x; c < D; c += kRowThreads) {
     const float v = (write_x ? xr[c] : h(c)) * rn;
@@ -201,13 +175,13 @@ __global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const 
   const T* xr = x + i * D;
   float ss = 0.0f;
   for (int64_t c = threadIdx.x; c < D; c += kThreads) {
-    const float v = Get(xr, c, 0);
+    const float v = Get(xr, c);
     ss += v * v;
   }
-  const float r = rsqrtf(BlockSum<kThreads>(ss) / static_cast<float>(D) + eps);
+  const float r = rsqrtf(BlockSum(ss) / static_cast<float>(D) + eps);
   for (int64_t c = threadIdx.x; c < D; c += kThreads) {
     const float g = gate.At(i, D, c);
-    StoreSplit(y.p + i * D + c, y.lo, w[c] * (Get(xr, c, 0) * r) / (1.0f + expf(-g)));
+    StoreSplit(y.p + i * D + c, y.lo, w[c] * (Get(xr, c) * r) / (1.0f + expf(-g)));
   }
 }
 
@@ -225,8 +199,7 @@ cudaError_t RmsNorm(int64_t M, int64_t D, const float* x, int64_t ldx, const int
 cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Split y, cudaStream_t stream) {
   if (Bad(M, D, x.p, y)) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(RmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kRowThreads, 0, stream, D, x.p, x.ld,
-                           x.lo, nullptr, w, eps, y));
+  K3_CUDA_TRY(LaunchKernel(RmsNormKernel, static_cast<unsigned>(M), kRowThreads, 0, stream, D, x, w, eps, y));
   return cudaGetLastError();
 }
 

@@ -48,6 +48,18 @@ __device__ __forceinline__ float LoadSplit(const __nv_bfloat16* p, int64_t lo) {
   return lo != 0 ? hi + __bfloat162float(p[lo]) : hi;
 }
 
+// StoreSplit of four consecutive values in two 8-byte stores (p and p + lo on 8 bytes).
+__device__ __forceinline__ void StoreSplit4(__nv_bfloat16* p, int64_t lo, const float (&x)[4]) {
+  __nv_bfloat16 hi[4], lo4[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    hi[q] = __float2bfloat16_rn(x[q]);
+    lo4[q] = __float2bfloat16_rn(x[q] - __bfloat162float(hi[q]));
+  }
+  *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(hi);
+  if (lo != 0) *reinterpret_cast<uint2*>(p + lo) = *reinterpret_cast<const uint2*>(lo4);
+}
+
 // x as StoreSplit then LoadSplit leave it (16 significant bits): what a kernel reads from a product's folded split
 // output, computed from its unfolded sums instead.
 __device__ __forceinline__ float RoundSplit(float x) {

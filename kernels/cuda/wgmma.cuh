@@ -99,6 +99,7 @@ struct Ring {
   uint64_t *full, *empty;
   int stage = 0;
   uint32_t phase = 0;
+  int held = -1;  // a consumer's last stage, not yet released
 
   __device__ explicit Ring(unsigned char* smem_raw)
       : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023})),
@@ -113,6 +114,18 @@ struct Ring {
   __device__ void WaitFilled() { MbarWait(full + stage, phase); }     // a consumer: its bytes are in
   __device__ void Advance() {
     if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  // A consumer, its MMAs on this stage issued: the stage before it is released (its MMAs are past MmaStage's
+  // wait), this one held until the next Consumed or Release.
+  __device__ void Consumed(bool leader) {
+    Release(leader);
+    held = stage;
+    Advance();
+  }
+  // After the last stage's MMAs are waited for.
+  __device__ void Release(bool leader) {
+    if (held >= 0 && leader) MbarArrive(empty + held);
+    held = -1;
   }
 };
 
