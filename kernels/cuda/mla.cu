@@ -79,12 +79,14 @@ __global__ void SplitQueryKernel(int64_t N, MlaDims s, Split q, Split qa, Split 
 // combines the runs. The split is a function of the token's own length only, so a token's result does not depend
 // on the batch: runs of at least kTilesPerSplit tiles (a CTA's fixed cost — the query, the partials — is worth a
 // few tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ
-// (warp w: head block w / 4, cache rows 8(w % 4)..+7, the query as split hi + lo: two MMAs per cache fragment, so
-// scores keep ~16 bits of q), an online softmax over the 32 scores of each head, then acc += P·C[:, :r] (P as split
-// hi + lo; warp w: its head block, column pairs w % 4, w % 4 + 4, ...). Both head blocks read each cache tile from
-// shared memory, so the cache streams from memory once (with 16 heads a CTA it was read twice: 1.7 TB/s of it).
-// Tiles arrive through a three-stage cp.async ring (two in flight); rows are padded so that the fragment loads are
-// free of bank conflicts.
+// (warp w: head block w / 4, all 32 cache rows, a quarter of the k-steps — its query fragments stay in registers
+// for the whole run, as hi + lo: two MMAs per cache fragment, so scores keep ~16 bits of q; the four quarters are
+// added in order by the softmax), an online softmax over the 32 scores of each head, then acc += P·C[:, :r] (P as
+// split hi + lo; warp w: its head block, column pairs w % 4, w % 4 + 4, ...). Both head blocks read each cache tile
+// from shared memory, so the cache streams from memory once (with 16 heads a CTA it was read twice: 1.7 TB/s of
+// it). Tiles arrive through a three-stage cp.async ring (two in flight); rows are padded so that the fragment loads
+// are free of bank conflicts. (With each warp taking 8 cache rows and every k-step, the query fragments were read
+// from shared memory again on every tile: 2.5× the tile's own traffic, 40 µs a decode at kimi-linear-e2e.)
 constexpr int kHeads = 16;              // heads per MMA block: the MMA's M
 constexpr int kBlocks = 2;              // MMA head blocks per CTA
 constexpr int kCtaHeads = kHeads * kBlocks;
@@ -95,10 +97,13 @@ constexpr int kTilesPerSplit = 12;
 constexpr int kMaxSplits = 8;        // CTAs per (token, 32 heads)
 constexpr int kMaxPairs = 8;         // column pairs (16 columns) per warp: r ≤ 4 · 8 · 16 = 512
 constexpr int kPld = kRows + 8;      // P row stride (bf16)
-constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 188 KB, one CTA (8 warps) per SM
+constexpr int kSld = kRows + 4;      // S row stride (fp32): the quarters' float2 stores free of bank conflicts
+constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 204 KB, one CTA (8 warps) per SM
+constexpr int kQuarters = 4;         // warps of a head block, each taking a quarter of the score's k-steps
+constexpr int kMaxQSteps = kMaxCw / 16 / kQuarters;  // k-steps a warp's query fragments cover
 
-static_assert(2 * kCtaHeads * kPld * sizeof(__nv_bfloat16) >= kCtaHeads * kRows * sizeof(float), "S fits in P's space");
 static_assert(kDecodeThreads == kCtaHeads * 8, "the softmax: 8 threads per head");
+static_assert(kMaxCw % (16 * kQuarters) == 0, "the query's k-steps split in quarters");
 
 __host__ __device__ inline int64_t Splits(int64_t L) {
   const int64_t tiles = (L + kRows - 1) / kRows, runs = (tiles + kTilesPerSplit - 1) / kTilesPerSplit;
@@ -110,9 +115,10 @@ struct DecodeLayout {
   __host__ __device__ explicit DecodeLayout(int64_t cw) : cwp(static_cast<int>((cw + 15) / 16 * 16)), ldc(cwp + 8) {}
   __host__ __device__ size_t q_elems() const { return size_t{2} * kCtaHeads * ldc; }  // hi, lo
   __host__ __device__ size_t c_elems() const { return size_t{kStages} * kRows * ldc; }
-  // S [kCtaHeads][kRows] fp32 shares P's space.
+  // Then P (bf16, hi and lo), S's quarters [kQuarters][kCtaHeads][kSld] and m, l, corr (fp32).
   __host__ __device__ size_t bytes() const {
-    return (q_elems() + c_elems() + 2 * kCtaHeads * kPld) * sizeof(__nv_bfloat16) + 3 * kCtaHeads * sizeof(float);
+    return (q_elems() + c_elems() + 2 * kCtaHeads * kPld) * sizeof(__nv_bfloat16) +
+           (kQuarters * kCtaHeads * kSld + 3 * kCtaHeads) * sizeof(float);
   }
 };
 
@@ -142,8 +148,8 @@ __global__ __launch_bounds__(kDecodeThreads) void DecodeMmaKernel(MlaDims s, Spl
   bf16* q_s = reinterpret_cast<bf16*>(smem_raw);    // [2][kCtaHeads][ldc]
   bf16* c_s = q_s + lay.q_elems();                  // [kStages][kRows][ldc]
   bf16* p_s = c_s + lay.c_elems();                  // [2][kCtaHeads][kPld]
-  float* s_s = reinterpret_cast<float*>(p_s);       // [kCtaHeads][kRows], read before P is written
-  float* m_s = reinterpret_cast<float*>(p_s + 2 * kCtaHeads * kPld);
+  float* s_s = reinterpret_cast<float*>(p_s + 2 * kCtaHeads * kPld);  // [kQuarters][kCtaHeads][kSld]
+  float* m_s = s_s + kQuarters * kCtaHeads * kSld;
   float* l_s = m_s + kCtaHeads;
   float* corr_s = l_s + kCtaHeads;
 
@@ -188,8 +194,10 @@ __global__ __launch_bounds__(kDecodeThreads) void DecodeMmaKernel(MlaDims s, Spl
   if (tid < kCtaHeads) m_s[tid] = kNegInf, l_s[tid] = 0.0f;
 
   const int pairs = r / 16;
-  const bf16* qh = q_s + hb * kHeads * ldc;
-  const bf16* ql = q_s + (kCtaHeads + hb * kHeads) * ldc;
+  // This warp's k-steps of the score: [k_first, k_first + k_count).
+  const int k_quarter = (cwp / 16 + kQuarters - 1) / kQuarters, k_first = lw * k_quarter;
+  const int k_count = max(0, min(cwp / 16 - k_first, k_quarter));
+  uint32_t qh[kMaxQSteps][4], ql[kMaxQSteps][4];  // loaded at the first tile, when the query has arrived
   float acc[kMaxPairs][2][4] = {};
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int stage = static_cast<int>((t - t_begin) % kStages);
@@ -197,37 +205,59 @@ __global__ __launch_bounds__(kDecodeThreads) void DecodeMmaKernel(MlaDims s, Spl
     ptx::CpAsyncWaitGroup<2>();
     __syncthreads();
     const bf16* ct = c_s + stage * kRows * ldc;
-
-    // S rows of this warp: c0/c1 = (head 16hb + gid, rows 8lw + 2tig, +1), c2/c3 = head + 8.
-    // The hi and lo products in two accumulators: two independent MMA chains of 36 instead of one of 72.
-    float sc[4] = {}, sc_lo[4] = {};
-    const bf16* brow = ct + (lw * 8 + gid) * ldc + 2 * tig;
-    for (int k0 = 0; k0 < cwp; k0 += 16) {
-      uint32_t ah[4], al[4];
-      LoadFragA(ah, qh, ldc, k0, lane);
-      LoadFragA(al, ql, ldc, k0, lane);
-      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow + k0);
-      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + k0 + 8);
-      ptx::Mma(sc, ah, b0, b1);
-      ptx::Mma(sc_lo, al, b0, b1);
-    }
+    if (t == t_begin) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sc[e] += sc_lo[e];
-    const int64_t j = t * kRows + lw * 8 + 2 * tig;
-    const int hr = hb * kHeads + gid;
-    s_s[hr * kRows + lw * 8 + 2 * tig] = j < L ? sc[0] * scale : kNegInf;
-    s_s[hr * kRows + lw * 8 + 2 * tig + 1] = j + 1 < L ? sc[1] * scale : kNegInf;
-    s_s[(hr + 8) * kRows + lw * 8 + 2 * tig] = j < L ? sc[2] * scale : kNegInf;
-    s_s[(hr + 8) * kRows + lw * 8 + 2 * tig + 1] = j + 1 < L ? sc[3] * scale : kNegInf;
+      for (int i = 0; i < kMaxQSteps; ++i)
+        if (i < k_count) {
+          LoadFragA(qh[i], q_s + hb * kHeads * ldc, ldc, (k_first + i) * 16, lane);
+          LoadFragA(ql[i], q_s + (kCtaHeads + hb * kHeads) * ldc, ldc, (k_first + i) * 16, lane);
+        }
+    }
+
+    // This warp's quarter of S for its 16 heads and the tile's four 8-row n-tiles: c0/c1 = (head 16hb + gid,
+    // rows 8nt + 2tig, +1), c2/c3 = head + 8; hi and lo in separate accumulators (eight chains of k_count).
+    {
+      float sc[4][4] = {}, sc_lo[4][4] = {};
+#pragma unroll
+      for (int i = 0; i < kMaxQSteps; ++i)
+        if (i < k_count) {
+          const bf16* bk = ct + gid * ldc + (k_first + i) * 16 + 2 * tig;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(bk + nt * 8 * ldc);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(bk + nt * 8 * ldc + 8);
+            ptx::Mma(sc[nt], qh[i], b0, b1);
+            ptx::Mma(sc_lo[nt], ql[i], b0, b1);
+          }
+        }
+      float* sq = s_s + (lw * kCtaHeads + hb * kHeads + gid) * kSld + 2 * tig;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        *reinterpret_cast<float2*>(sq + nt * 8) = make_float2(sc[nt][0] + sc_lo[nt][0], sc[nt][1] + sc_lo[nt][1]);
+        *reinterpret_cast<float2*>(sq + 8 * kSld + nt * 8) =
+            make_float2(sc[nt][2] + sc_lo[nt][2], sc[nt][3] + sc_lo[nt][3]);
+      }
+    }
     __syncthreads();
 
-    // Online softmax: 8 threads per head, 4 scores each (a tile's first row is always valid).
+    // Online softmax: 8 threads per head, 4 scores each, the quarters added in order (a tile's first row is always
+    // valid).
+    const int hr = hb * kHeads + gid;
     {
       const int h = tid >> 3, c0 = (tid & 7) * 4;
-      float v[4], mx = kNegInf;
+      const int64_t j0 = t * kRows + c0;
+      float4 sq = *reinterpret_cast<const float4*>(s_s + h * kSld + c0);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mx = fmaxf(mx, v[i] = s_s[h * kRows + c0 + i]);
-      __syncthreads();  // every score is read before P overwrites them
+      for (int q = 1; q < kQuarters; ++q) {
+        const float4 o = *reinterpret_cast<const float4*>(s_s + (q * kCtaHeads + h) * kSld + c0);
+        sq.x += o.x, sq.y += o.y, sq.z += o.z, sq.w += o.w;
+      }
+      float v[4] = {sq.x, sq.y, sq.z, sq.w}, mx = kNegInf;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = j0 + i < L ? v[i] * scale : kNegInf;
+        mx = fmaxf(mx, v[i]);
+      }
       for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float m_old = m_s[h], m_new = fmaxf(m_old, mx), sum_old = l_s[h];
       float sum = 0.0f;
