@@ -2,7 +2,8 @@
 // Quantile-Balancing histogram, and the routed experts over ragged tokens per expert.
 // References: kernels/cpu/router.h (RouteTopKRef, QbHistogram) and kernels/cpu/experts.h (MoeExperts).
 //
-// Router (router.cu): one warp per token. s = sigmoid(logit) is computed in double and rounded to fp32,
+// Router (router.cu): one warp per token, or a block of 8 warps per token for decode batches (≤ 256 tokens) without a
+// group limit. s = sigmoid(logit) is computed in double and rounded to fp32,
 // exactly as RouteTopKRef does, so that the top-k decisions are the reference's (ties: lower expert id).
 //
 // Experts (experts.cu): the N·k (token, expert) pairs are counting-sorted by expert into contiguous

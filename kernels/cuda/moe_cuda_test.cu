@@ -85,11 +85,13 @@ RouterArgs Router(int64_t N, int64_t E, int64_t k, int64_t G, int64_t topk_group
   return a;
 }
 
+// Batches of up to 256 tokens without a group limit take the block-per-token kernel, the rest a warp per token.
 TEST(RouteTopKCuda, MatchesReference) {
   REQUIRE_GPU();
   const RouterArgs cases[] = {
       Router(37, 16, 4, 1, 1, true, 2.446f),    // Kimi-Linear tiny
       Router(300, 256, 8, 1, 1, true, 2.446f),  // Kimi-Linear 48B
+      Router(64, 256, 8, 1, 1, true, 2.446f),   // ... its decode batch (a block per token)
       Router(37, 64, 6, 8, 3, true, 1.0f),      // group-limited
       Router(37, 64, 6, 8, 3, false, 2.5f),     // no renormalization
       Router(2000, 896, 16, 1, 1, true, 1.0f),  // K3
@@ -109,7 +111,8 @@ TEST(RouteTopKCuda, MatchesReference) {
 TEST(RouteTopKCuda, TiesGoToTheLowerExpert) {
   REQUIRE_GPU();
   // Logits on a coarse grid and no bias: many exactly equal scores, also at the k-th place.
-  for (const RouterArgs& a : {Router(300, 896, 16, 1, 1, true, 1.0f), Router(300, 64, 6, 8, 3, true, 1.0f)}) {
+  for (const RouterArgs& a : {Router(300, 896, 16, 1, 1, true, 1.0f), Router(300, 64, 6, 8, 3, true, 1.0f),
+                              Router(200, 896, 16, 1, 1, true, 1.0f), Router(64, 256, 8, 1, 1, true, 1.0f)}) {
     auto logits = Random(a.N * a.num_experts, 7, 1.0f);
     for (float& x : logits) x = std::round(x * 2.0f) / 2.0f;
     CheckRouter(a, logits, {});
@@ -119,7 +122,8 @@ TEST(RouteTopKCuda, TiesGoToTheLowerExpert) {
 TEST(RouteTopKCuda, QbHistogramMatchesCpu) {
   REQUIRE_GPU();
   for (const RouterArgs& a : {Router(1000, 896, 16, 1, 1, true, 1.0f), Router(200, 64, 6, 8, 3, true, 1.0f),
-                              Router(100, 16, 4, 1, 1, false, 1.0f)}) {
+                              Router(100, 16, 4, 1, 1, false, 1.0f), Router(200, 896, 16, 1, 1, true, 1.0f),
+                              Router(64, 1000, 32, 1, 1, true, 1.0f)}) {
     const auto logits = Random(a.N * a.num_experts, 11, 2.0f), bias = Random(a.num_experts, 12, 0.1f);
     CheckRouter(a, logits, bias, 56);
   }

@@ -6,6 +6,11 @@
 // higher score and, among equal scores, the lower id. Each lane keeps its best four keys sorted; a step
 // of the top-k takes the warp's max head and the owning lane pops it (rescanning its V keys only when its
 // four are used up), so k steps cost k warp reductions rather than k passes over all E scores.
+//
+// Decode batches without a group limit take a block of 8 warps per token instead (RouteTopKWideKernel): each warp
+// ranks an eighth of the experts the same way, warp 0 ranks the warps' best. A warp-per-token kernel is its
+// latency — at decode, 16 blocks and one warp a scheduler: 1,880 instructions a warp, 7.4 cycles apart (7.8 µs in
+// a kimi-linear-e2e step); most of them are the double-precision sigmoids, which the block spreads 8 ways.
 #include <cmath>
 
 #include "kernels/cuda/cuda_try.cuh"
@@ -31,6 +36,37 @@ __device__ __forceinline__ int KeyExpert(uint64_t key) { return static_cast<int>
 
 // s = sigmoid(x) in double, as the reference computes it.
 __device__ __forceinline__ double SigmoidD(float x) { return 1.0 / (1.0 + exp(-static_cast<double>(x))); }
+
+// A lane's best four keys below `below`, sorted (0 = none; a real key is never 0), of its V keys.
+template <int V>
+struct BestFour {
+  uint64_t c0, c1, c2, c3;
+  __device__ void Fill(const uint64_t (&key)[V], uint64_t below) {
+    c0 = c1 = c2 = c3 = 0;
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      const uint64_t v = key[t] < below ? key[t] : 0;
+      const bool g0 = v > c0, g1 = v > c1, g2 = v > c2, g3 = v > c3;
+      c3 = g2 ? c2 : (g3 ? v : c3);
+      c2 = g1 ? c1 : (g2 ? v : c2);
+      c1 = g0 ? c0 : (g1 ? v : c1);
+      c0 = g0 ? v : c0;
+    }
+  }
+  // One step of the warp's top-k: the warp's best remaining key; its lane moves past it.
+  __device__ uint64_t Step(const uint64_t (&key)[V]) {
+    uint64_t best = c0;
+    for (int off = 16; off > 0; off >>= 1) {
+      const uint64_t o = __shfl_xor_sync(0xffffffffu, best, off);
+      best = o > best ? o : best;
+    }
+    if (best != 0 && c0 == best) {
+      c0 = c1, c1 = c2, c2 = c3, c3 = 0;
+      if (c0 == 0) Fill(key, best);
+    }
+    return best;
+  }
+};
 
 template <int V>
 __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs a, float qb_scale) {
@@ -90,37 +126,16 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
     const int e = t * 32 + lane;
     key[t] = e < E && ((kept >> (e / per_group)) & 1u) ? MakeKey(sb[t], e) : 0;
   }
-  // This lane's best four keys below `below`, sorted (0 = none; a real key is never 0).
-  uint64_t c0, c1, c2, c3;
-  auto fill = [&](uint64_t below) {
-    c0 = c1 = c2 = c3 = 0;
-#pragma unroll
-    for (int t = 0; t < V; ++t) {
-      const uint64_t v = key[t] < below ? key[t] : 0;
-      const bool g0 = v > c0, g1 = v > c1, g2 = v > c2, g3 = v > c3;
-      c3 = g2 ? c2 : (g3 ? v : c3);
-      c2 = g1 ? c1 : (g2 ? v : c2);
-      c1 = g0 ? c0 : (g1 ? v : c1);
-      c0 = g0 ? v : c0;
-    }
-  };
-  fill(~0ull);
+  BestFour<V> top;
+  top.Fill(key, ~0ull);
 
   // Step j picks the j-th expert; lane j keeps it. With the histogram, step k finds α.
   const int steps = k + (a.qb_hist ? 1 : 0);
   uint64_t mine = 0, alpha_key = 0;
   for (int j = 0; j < steps; ++j) {
-    uint64_t best = c0;
-    for (int off = 16; off > 0; off >>= 1) {
-      const uint64_t o = __shfl_xor_sync(0xffffffffu, best, off);
-      best = o > best ? o : best;
-    }
+    const uint64_t best = top.Step(key);
     if (lane == j) mine = best;
     if (j == k) alpha_key = best;
-    if (best != 0 && c0 == best) {
-      c0 = c1, c1 = c2, c2 = c3, c3 = 0;
-      if (c0 == 0) fill(best);
-    }
   }
 
   // Weights from the unbiased scores, in double like the reference.
@@ -149,6 +164,93 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
   }
 }
 
+constexpr int kWideWarps = 8;
+constexpr int kMaxSteps = 33;                                       // k + 1 with the histogram
+constexpr int kWideCands = (kWideWarps * kMaxSteps + 31) / 32;      // warp 0's keys a lane
+
+// A block per token, no group limit: warp w ranks experts 32w + lane + 256t (t < V), keeping its best `steps`
+// keys; warp 0 ranks those. The same keys, ids, weights and histogram as RouteTopKKernel.
+template <int V>
+__global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArgs a, float qb_scale) {
+  PdlEnter();
+  __shared__ uint64_t cand[kWideWarps][kMaxSteps];
+  __shared__ uint64_t alpha_s;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t n = blockIdx.x;
+  const int E = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
+  const int steps = k + (a.qb_hist ? 1 : 0);
+  const Sums logits{a.logits, a.ldl ? a.ldl : E, a.logits_lo_rows};
+
+  float sb[V];  // s' = float(s) + bias
+  uint64_t key[V];
+#pragma unroll
+  for (int t = 0; t < V; ++t) {
+    const int e = kWideWarps * 32 * t + 32 * warp + lane;
+    sb[t] = e < E ? static_cast<float>(SigmoidD(logits.At(n, e))) + (a.bias ? a.bias[e] : 0.0f) : -INFINITY;
+    key[t] = e < E ? MakeKey(sb[t], e) : 0;
+  }
+  BestFour<V> mine;
+  mine.Fill(key, ~0ull);
+  for (int j = 0; j < steps; ++j) {
+    const uint64_t best = mine.Step(key);
+    if (lane == 0) cand[warp][j] = best;
+  }
+  __syncthreads();
+
+  if (warp == 0) {
+    uint64_t c[kWideCands];
+#pragma unroll
+    for (int i = 0; i < kWideCands; ++i) {
+      const int q = 32 * i + lane;
+      c[i] = q < kWideWarps * steps ? cand[q / steps][q % steps] : 0;
+    }
+    BestFour<kWideCands> top;
+    top.Fill(c, ~0ull);
+    uint64_t sel = 0, alpha_key = 0;
+    for (int j = 0; j < steps; ++j) {
+      const uint64_t best = top.Step(c);
+      if (lane == j) sel = best;
+      if (j == k) alpha_key = best;
+    }
+    // Weights from the unbiased scores, in double like the reference.
+    const int e_sel = lane < k ? KeyExpert(sel) : 0;
+    const double s_sel = lane < k ? SigmoidD(logits.At(n, e_sel)) : 0.0;
+    double sum = s_sel;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane < k) {
+      const double norm = a.renormalize ? 1.0 / (sum + 1e-20) : 1.0;
+      a.idx[n * k + lane] = e_sel;
+      a.w[n * k + lane] = static_cast<float>(s_sel * norm * static_cast<double>(a.scale));
+    }
+    if (lane == 0) alpha_s = alpha_key;
+  }
+
+  if (a.qb_hist) {
+    __syncthreads();
+    const float alpha = KeyScore(alpha_s);
+    const int bins = static_cast<int>(a.qb_bins);
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      const int e = kWideWarps * 32 * t + 32 * warp + lane;
+      if (e >= E) continue;
+      const float r = alpha - sb[t];
+      const float pos = (r - a.qb_rmin) * qb_scale;
+      const int b = pos < 0.0f ? 0 : (pos >= static_cast<float>(bins) ? bins - 1 : static_cast<int>(pos));
+      atomicAdd(a.qb_hist + static_cast<int64_t>(b) * E + e, 1);
+    }
+  }
+}
+
+// Decode batches (a block per token is worth its launch below this) without a group limit take the wide kernel.
+constexpr int64_t kWideMaxTokens = 256;
+
+template <int V>
+cudaError_t LaunchWide(const RouterArgs& a, float qb_scale, cudaStream_t stream) {
+  K3_CUDA_TRY(LaunchKernel(RouteTopKWideKernel<V>, static_cast<unsigned>(a.N), kWideWarps * 32, 0, stream, a,
+                           qb_scale));
+  return cudaGetLastError();
+}
+
 template <int V>
 cudaError_t Launch(const RouterArgs& a, float qb_scale, cudaStream_t stream) {
   const int64_t blocks = (a.N + kRouterWarps - 1) / kRouterWarps;
@@ -171,6 +273,12 @@ cudaError_t RouteTopK(const RouterArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   // The same float expression as the CPU reference.
   const float qb_scale = a.qb_hist ? static_cast<float>(a.qb_bins) / (a.qb_rmax - a.qb_rmin) : 0.0f;
+  if (a.N <= kWideMaxTokens && (G == 1 || a.topk_groups >= G)) {
+    const int64_t Vw = (E + kWideWarps * 32 - 1) / (kWideWarps * 32);
+    if (Vw <= 1) return LaunchWide<1>(a, qb_scale, stream);
+    if (Vw <= 2) return LaunchWide<2>(a, qb_scale, stream);
+    return LaunchWide<4>(a, qb_scale, stream);
+  }
   const int64_t V = (E + 31) / 32;
   if (V <= 1) return Launch<1>(a, qb_scale, stream);
   if (V <= 2) return Launch<2>(a, qb_scale, stream);
