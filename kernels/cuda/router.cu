@@ -68,6 +68,30 @@ struct BestFour {
   }
 };
 
+// Lane j < k of the warp holds the token's j-th best key: its expert id, and its weight from the unbiased score, in
+// double like the reference (renormalized over the k, scaled).
+__device__ __forceinline__ void WriteChoice(const RouterArgs& a, const Sums& logits, int64_t n, int lane, uint64_t key) {
+  const int k = static_cast<int>(a.top_k);
+  const int e_sel = lane < k ? KeyExpert(key) : 0;
+  const double s_sel = lane < k ? SigmoidD(logits.At(n, e_sel)) : 0.0;
+  double sum = s_sel;
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane < k) {
+    const double norm = a.renormalize ? 1.0 / (sum + 1e-20) : 1.0;
+    a.idx[n * k + lane] = e_sel;
+    a.w[n * k + lane] = static_cast<float>(s_sel * norm * static_cast<double>(a.scale));
+  }
+}
+
+// The token's count for expert e (s' = sb) in the QB histogram: r = α − s', its bin clamped to the range.
+__device__ __forceinline__ void QbCount(const RouterArgs& a, float qb_scale, float alpha, float sb, int e) {
+  const int bins = static_cast<int>(a.qb_bins);
+  const float r = alpha - sb;
+  const float pos = (r - a.qb_rmin) * qb_scale;
+  const int b = pos < 0.0f ? 0 : (pos >= static_cast<float>(bins) ? bins - 1 : static_cast<int>(pos));
+  atomicAdd(a.qb_hist + static_cast<int64_t>(b) * a.num_experts + e, 1);
+}
+
 template <int V>
 __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs a, float qb_scale) {
   PdlEnter();
@@ -138,29 +162,12 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
     if (j == k) alpha_key = best;
   }
 
-  // Weights from the unbiased scores, in double like the reference.
-  const int e_sel = lane < k ? KeyExpert(mine) : 0;
-  const double s_sel = lane < k ? SigmoidD(logits.At(n, e_sel)) : 0.0;
-  double sum = s_sel;
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane < k) {
-    const double norm = a.renormalize ? 1.0 / (sum + 1e-20) : 1.0;
-    a.idx[n * k + lane] = e_sel;
-    a.w[n * k + lane] = static_cast<float>(s_sel * norm * static_cast<double>(a.scale));
-  }
-
+  WriteChoice(a, logits, n, lane, mine);
   if (a.qb_hist) {
     const float alpha = KeyScore(alpha_key);
-    const int bins = static_cast<int>(a.qb_bins);
 #pragma unroll
-    for (int t = 0; t < V; ++t) {
-      const int e = t * 32 + lane;
-      if (e >= E) continue;
-      const float r = alpha - sb[t];
-      const float pos = (r - a.qb_rmin) * qb_scale;
-      const int b = pos < 0.0f ? 0 : (pos >= static_cast<float>(bins) ? bins - 1 : static_cast<int>(pos));
-      atomicAdd(a.qb_hist + static_cast<int64_t>(b) * E + e, 1);
-    }
+    for (int t = 0; t < V; ++t)
+      if (t * 32 + lane < E) QbCount(a, qb_scale, alpha, sb[t], t * 32 + lane);
   }
 }
 
@@ -212,31 +219,17 @@ __global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArg
       if (lane == j) sel = best;
       if (j == k) alpha_key = best;
     }
-    // Weights from the unbiased scores, in double like the reference.
-    const int e_sel = lane < k ? KeyExpert(sel) : 0;
-    const double s_sel = lane < k ? SigmoidD(logits.At(n, e_sel)) : 0.0;
-    double sum = s_sel;
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane < k) {
-      const double norm = a.renormalize ? 1.0 / (sum + 1e-20) : 1.0;
-      a.idx[n * k + lane] = e_sel;
-      a.w[n * k + lane] = static_cast<float>(s_sel * norm * static_cast<double>(a.scale));
-    }
+    WriteChoice(a, logits, n, lane, sel);
     if (lane == 0) alpha_s = alpha_key;
   }
 
   if (a.qb_hist) {
     __syncthreads();
     const float alpha = KeyScore(alpha_s);
-    const int bins = static_cast<int>(a.qb_bins);
 #pragma unroll
     for (int t = 0; t < V; ++t) {
       const int e = kWideWarps * 32 * t + 32 * warp + lane;
-      if (e >= E) continue;
-      const float r = alpha - sb[t];
-      const float pos = (r - a.qb_rmin) * qb_scale;
-      const int b = pos < 0.0f ? 0 : (pos >= static_cast<float>(bins) ? bins - 1 : static_cast<int>(pos));
-      atomicAdd(a.qb_hist + static_cast<int64_t>(b) * E + e, 1);
+      if (e < E) QbCount(a, qb_scale, alpha, sb[t], e);
     }
   }
 }
