@@ -1043,13 +1043,14 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
   }
 
   // The layers (DESIGN §1.1; Block AttnRes §1.5: x is then the partial sum of the current block).
-  // A graph replay embeds its tokens just before the graph, outside it: measured side by side on one H200,
-  // 2.350/2.351/2.355 -> 2.336/2.340/2.346 ms a step (and 2.409/2.419/2.407 -> 2.383/2.393/2.384 on another).
-  auto enqueue = [&](bool with_embed) -> absl::Status {
-    if (with_embed) {
-      Phase p(*this, "embed");
-      K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
-    }
+  // The tokens are embedded before the layers are enqueued, so outside a decode graph (NextGreedy embeds its own
+  // before the replay): measured side by side on one H200, 2.350/2.351/2.355 -> 2.336/2.340/2.346 ms a step (and
+  // 2.409/2.419/2.407 -> 2.383/2.393/2.384 on another).
+  {
+    Phase p(*this, "embed");
+    K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
+  }
+  auto enqueue = [&]() -> absl::Status {
     const bool attn_res = c.attn_res_block > 0;
     pending[0] = pending[1] = Sums{};  // a failed forward may have left some
     int64_t banked = 0;
@@ -1115,7 +1116,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
     auto it = graphs.find({N, R, keep_logits});
     if (it == graphs.end()) {
       K3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const absl::Status st = enqueue(false);
+      const absl::Status st = enqueue();
       cudaGraph_t graph = nullptr;
       const cudaError_t end = cudaStreamEndCapture(stream, &graph);
       K3_RETURN_IF_ERROR(st);
@@ -1126,7 +1127,6 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       K3_CUDA_OK(inst);
       it = graphs.emplace(std::make_tuple(N, R, keep_logits), exec).first;
     }
-    K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
     K3_CUDA_OK(cudaGraphLaunch(it->second, stream));
     if (!keep_logits && R == N) {
       chain.exec = it->second;
@@ -1134,7 +1134,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       for (const GpuChunk& ch : chunks) chain.slots.push_back(ch.slot);
     }
   } else {
-    K3_RETURN_IF_ERROR(enqueue(true));
+    K3_RETURN_IF_ERROR(enqueue());
   }
   for (const GpuChunk& ch : chunks) positions[ch.slot] += static_cast<int64_t>(ch.tokens.size());
   *out_rows = R;

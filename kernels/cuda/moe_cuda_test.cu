@@ -92,6 +92,7 @@ TEST(RouteTopKCuda, MatchesReference) {
       Router(37, 16, 4, 1, 1, true, 2.446f),    // Kimi-Linear tiny
       Router(300, 256, 8, 1, 1, true, 2.446f),  // Kimi-Linear 48B
       Router(64, 256, 8, 1, 1, true, 2.446f),   // ... its decode batch (a block per token)
+      Router(1, 256, 8, 1, 1, true, 2.446f),    // ... one sequence
       Router(37, 64, 6, 8, 3, true, 1.0f),      // group-limited
       Router(37, 64, 6, 8, 3, false, 2.5f),     // no renormalization
       Router(2000, 896, 16, 1, 1, true, 1.0f),  // K3

@@ -68,6 +68,21 @@ struct BestFour {
   }
 };
 
+// The warp's best `steps` keys in order: lane j < steps gets the j-th (*pick), every lane the one at place k
+// (*alpha: the (k+1)-th best, the QB histogram's α when steps = k + 1).
+template <int V>
+__device__ __forceinline__ void RankKeys(const uint64_t (&key)[V], int steps, int k, int lane, uint64_t* pick,
+                                         uint64_t* alpha) {
+  BestFour<V> top;
+  top.Fill(key, ~0ull);
+  *pick = *alpha = 0;
+  for (int j = 0; j < steps; ++j) {
+    const uint64_t best = top.Step(key);
+    if (lane == j) *pick = best;
+    if (j == k) *alpha = best;
+  }
+}
+
 // Lane j < k of the warp holds the token's j-th best key: its expert id, and its weight from the unbiased score, in
 // double like the reference (renormalized over the k, scaled).
 __device__ __forceinline__ void WriteChoice(const RouterArgs& a, const Sums& logits, int64_t n, int lane, uint64_t key) {
@@ -150,18 +165,9 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
     const int e = t * 32 + lane;
     key[t] = e < E && ((kept >> (e / per_group)) & 1u) ? MakeKey(sb[t], e) : 0;
   }
-  BestFour<V> top;
-  top.Fill(key, ~0ull);
-
   // Step j picks the j-th expert; lane j keeps it. With the histogram, step k finds α.
-  const int steps = k + (a.qb_hist ? 1 : 0);
-  uint64_t mine = 0, alpha_key = 0;
-  for (int j = 0; j < steps; ++j) {
-    const uint64_t best = top.Step(key);
-    if (lane == j) mine = best;
-    if (j == k) alpha_key = best;
-  }
-
+  uint64_t mine, alpha_key;
+  RankKeys(key, k + (a.qb_hist ? 1 : 0), k, lane, &mine, &alpha_key);
   WriteChoice(a, logits, n, lane, mine);
   if (a.qb_hist) {
     const float alpha = KeyScore(alpha_key);
@@ -211,14 +217,8 @@ __global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArg
       const int q = 32 * i + lane;
       c[i] = q < kWideWarps * steps ? cand[q / steps][q % steps] : 0;
     }
-    BestFour<kWideCands> top;
-    top.Fill(c, ~0ull);
-    uint64_t sel = 0, alpha_key = 0;
-    for (int j = 0; j < steps; ++j) {
-      const uint64_t best = top.Step(c);
-      if (lane == j) sel = best;
-      if (j == k) alpha_key = best;
-    }
+    uint64_t sel, alpha_key;
+    RankKeys(c, steps, k, lane, &sel, &alpha_key);
     WriteChoice(a, logits, n, lane, sel);
     if (lane == 0) alpha_s = alpha_key;
   }
