@@ -265,9 +265,12 @@ struct CudaModel::Impl {
     *free = s;
     return absl::OkStatus();
   }
-  // x += in · Wᵀ: deferred to the next norm, or added now (Block AttnRes, or rows that need chunks).
+  // x += in · Wᵀ: deferred to the next norm, or added now (Block AttnRes, or rows that need chunks). K in as many
+  // slices as runs fastest (the output products: 36 tiles of N 2304 would leave most SMs idle); the norm or the
+  // fold adds them.
   absl::Status AddProduct(const bf16* w, int64_t n, int64_t k, Split in, int64_t M) {
-    const LinearArgs la = Args(w, n, k, in, M, x, n, LinearOut::kF32Add);
+    LinearArgs la = Args(w, n, k, in, M, x, n, LinearOut::kF32Add);
+    la.k_parts = 0;
     if (Defer() && blas.Unfoldable(la)) {
       Sums sums;
       K3_CUDA_OK(blas.RunUnfolded(la, stream, &sums));

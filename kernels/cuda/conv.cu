@@ -166,7 +166,8 @@ __global__ void ConvStateKernel(KdaConvArgs a, int num_chunks, const int32_t* ch
 
 cudaError_t KdaConv(const KdaConvArgs& a, cudaStream_t stream) {
   if (a.N < 0 || a.C <= 0 || a.C % 3 != 0 || a.K < 2 || (!a.x.p && !a.x_sums.p) || !a.w || !a.state ||
-      !a.tok_start || !a.tok_slot || !a.out[0] || !a.out[1] || !a.out[2] || (a.x_sums.p && a.x_sums.ld < a.C))
+      !a.tok_start || !a.tok_slot || !a.out[0] || !a.out[1] || !a.out[2] ||
+      (a.x_sums.p && (a.x_sums.ld < a.C || a.x_sums.parts != 1)))
     return cudaErrorInvalidValue;
   if (a.decode_tokens < 0 || a.decode_tokens > a.N || a.K > kMaxK) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;

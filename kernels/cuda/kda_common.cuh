@@ -23,7 +23,7 @@ __device__ __forceinline__ float Gate(KdaGate gate, float x, float a, float lowe
 inline bool ValidArgs(const KdaArgs& a) {
   return (a.D == 64 || a.D == 128) && a.H > 0 && (a.gate == KdaGate::kSoftplus || a.lower_bound <= 0.0f) && a.q &&
          a.k && a.v && (a.g_raw || a.g_sums.p) && a.b && a.A_log && a.dt_bias && a.state && a.state_idx && a.o &&
-         (a.ldb == 0 || a.ldb >= a.H);
+         (a.ldb == 0 || a.ldb >= a.H) && a.g_sums.parts == 1;
 }
 
 }  // namespace k3::cuda::kda

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -276,10 +277,11 @@ constexpr int kFoldCols = 4;
 constexpr int kFoldThreads = 256;
 
 // y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none); group g's C is
-// c_group_stride further. A thread takes four columns (16-byte loads of C when the columns allow). Grid: (column
-// blocks, row stride, groups).
+// c_group_stride further; K slices' sums (parts) part_stride apart, added in order as Sums::At adds them. A thread
+// takes four columns (16-byte loads of C when the columns allow). Grid: (column blocks, row stride, groups).
 __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0,
-                                                          int64_t rows, int64_t lo_rows, int64_t c_group_stride) {
+                                                          int64_t rows, int64_t lo_rows, int64_t c_group_stride,
+                                                          int64_t parts, int64_t part_stride) {
   PdlEnter();
   const int64_t group = blockIdx.z;
   C += group * c_group_stride;
@@ -288,14 +290,14 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   if (col0 >= cols) return;
   // float4 loads need every row, the lo plane and the up half on 16 bytes (LinearBlas's ldc is a multiple of 8;
   // Fold's sums may start anywhere); 4-column stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
-  const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0) && ldc % 4 == 0 &&
+  const bool vec = col0 + kFoldCols <= cols && (!glu || cols % 4 == 0) && ldc % 4 == 0 && part_stride % 4 == 0 &&
                    reinterpret_cast<uintptr_t>(C) % 16 == 0;
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && a.y_group_stride % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
     const float* c = C + i * ldc;
     float g[kFoldCols], u[kFoldCols];
-    auto load = [&](int64_t j, float (&v)[kFoldCols]) {
+    auto load_part = [&](const float* c, int64_t j, float (&v)[kFoldCols]) {
       if (vec) {
         const float4 h = *reinterpret_cast<const float4*>(c + j);
         v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
@@ -306,6 +308,14 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
       } else {
         for (int q = 0; q < kFoldCols; ++q)
           v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
+      }
+    };
+    auto load = [&](int64_t j, float (&v)[kFoldCols]) {
+      load_part(c, j, v);
+      for (int64_t k = 1; k < parts; ++k) {
+        float t[kFoldCols];
+        load_part(c + k * part_stride, j, t);
+        for (int q = 0; q < kFoldCols; ++q) v[q] += t[q];
       }
     };
     load(col0, g);
@@ -355,10 +365,11 @@ struct LinearBlas::State {
       if (x) cublasLtMatrixLayoutDestroy(x);
       if (c) cublasLtMatrixLayoutDestroy(c);
     }
-    // groups > 1: a strided batch (weights w_gs elements apart, x columns x_gs apart, C n · Ldc(N) apart).
-    cudaError_t Make(int64_t N, int64_t K, int64_t n, int64_t ldx, int32_t groups = 1, int64_t w_gs = 0,
-                     int64_t x_gs = 0) {
-      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, K)));
+    // groups > 1: a strided batch (weights w_gs elements apart, x columns x_gs apart, C n · Ldc(N) apart); a
+    // weight row is ldw elements long (K, or more for K slices).
+    cudaError_t Make(int64_t N, int64_t K, int64_t n, int64_t ldx, int32_t groups, int64_t w_gs, int64_t x_gs,
+                     int64_t ldw) {
+      K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, ldw)));
       K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, n, ldx)));
       K3_CUDA_TRY(Lt(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, N, n, Ldc(N))));
       if (groups == 1) return cudaSuccess;
@@ -373,17 +384,41 @@ struct LinearBlas::State {
     }
   };
 
-  // A product's shape as the algorithm choice sees it: groups > 1 is a strided batch of them.
+  // A product's shape as the algorithm choice sees it: groups > 1 is a strided batch of them (or of K slices:
+  // K the slice, ldw the whole).
   struct Shape {
-    int64_t N, K, ldx, groups, w_gs, x_gs;
-    auto Key() const { return std::make_tuple(N, K, ldx, groups, w_gs, x_gs); }
+    int64_t N, K, ldx, groups, w_gs, x_gs, ldw;
+    auto Key() const { return std::make_tuple(N, K, ldx, groups, w_gs, x_gs, ldw); }
     size_t XElems(int64_t n) const { return size_t((groups - 1) * x_gs + n * ldx); }  // of n stacked rows
     size_t CElems(int64_t n) const { return size_t(groups * n * Ldc(N)); }
     cudaError_t Make(Layouts* l, int64_t n) const {
-      return l->Make(N, K, n, ldx, static_cast<int32_t>(groups), w_gs, x_gs);
+      return l->Make(N, K, n, ldx, static_cast<int32_t>(groups), w_gs, x_gs, ldw);
+    }
+    // The product of a, or its K in `parts` slices (one strided batch), over x with row stride ldx.
+    static Shape Of(const LinearArgs& a, int64_t ldx, int64_t parts) {
+      if (parts > 1) return {a.N, a.K / parts, ldx, parts, a.K / parts, a.K / parts, a.K};
+      return {a.N, a.K, ldx, a.groups, a.w_group_stride, a.x_group_stride, a.K};
     }
   };
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;  // by Shape
+  struct Choice {
+    cublasLtMatmulAlgo_t algo;
+    float us = 0.0f;  // its time for kRefRows rows; 0: not timed
+  };
+  // The choices, made once per process and device for every LinearBlas: two models, or two streams, that run a
+  // shape run it alike, so their rows agree bit for bit.
+  struct Tuned {
+    std::recursive_mutex mu;  // AutoParts holds it across Chosen
+    std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>, Choice> algos;
+    std::map<std::tuple<int, int64_t, int64_t>, int64_t> k_parts;  // for k_parts = 0, by (device, N, K)
+  };
+  static Tuned& Cache() {
+    static Tuned* t = new Tuned;  // never destroyed: LinearBlas objects may outlive static destruction order
+    return *t;
+  }
+  static int Device() {
+    int d = 0;
+    return cudaGetDevice(&d) == cudaSuccess ? d : 0;
+  }
 
   cublasStatus_t Matmul(const __nv_bfloat16* w, const Layouts& l, const void* x, float* C,
                         const cublasLtMatmulAlgo_t* algo, cudaStream_t stream) {
@@ -451,8 +486,8 @@ struct LinearBlas::State {
   // first choice for these skinny products is often not its fastest (the MLA query product: 25 µs against 17 on
   // an H200). Scratch x and C are allocated for the timing and freed.
   cudaError_t Fastest(const Shape& sh, const __nv_bfloat16* w, const Layouts& ref, const Candidates& cands,
-                      cudaStream_t stream, bool verbose, cublasLtMatmulAlgo_t* best) {
-    *best = cands.a[0];
+                      cudaStream_t stream, bool verbose, Choice* best) {
+    best->algo = cands.a[0];
     if (cands.n == 1) return cudaSuccess;
     void* x = nullptr;
     float* C = nullptr;
@@ -487,53 +522,111 @@ struct LinearBlas::State {
         ms += t;
       }
       if (i == 0) first_ms = ms;
-      if (err == cudaSuccess && (best_i < 0 || ms < best_ms)) best_ms = ms, best_i = i, *best = cands.a[i];
+      if (err == cudaSuccess && (best_i < 0 || ms < best_ms)) best_ms = ms, best_i = i, best->algo = cands.a[i];
     }
     if (e0) cudaEventDestroy(e0);
     if (e1) cudaEventDestroy(e1);
     cudaFree(flush);
     cudaFree(x);
     cudaFree(C);
+    if (best_i >= 0) best->us = 1e3f * best_ms / kTimedReps;
     if (verbose && err == cudaSuccess)
       std::fprintf(stderr,
                    "LinearBlas: N %ld K %ld ldx %ld groups %ld: candidate %d of %d, %.1f us (first choice %.1f us)\n",
                    static_cast<long>(sh.N), static_cast<long>(sh.K), static_cast<long>(sh.ldx),
-                   static_cast<long>(sh.groups), best_i, cands.n, 1e3f * best_ms / kTimedReps,
-                   1e3f * first_ms / kTimedReps);
+                   static_cast<long>(sh.groups), best_i, cands.n, best->us, 1e3f * first_ms / kTimedReps);
     return err;
   }
 
   // The algorithm of a shape: chosen once for kRefRows rows and kept for every row count — the fastest
   // candidate on this GPU, or cuBLASLt's first choice with K3SERVE_BLAS_TUNE=0 or while the stream is being
   // captured into a graph (nothing can be timed then).
-  cudaError_t Algo(const Shape& sh, const __nv_bfloat16* w, const Layouts& l, cudaStream_t stream,
-                   cublasLtMatmulAlgo_t* algo) {
-    auto it = algos.find(sh.Key());
-    if (it == algos.end()) {
-      static const std::string mode = [] {
-        const char* e = std::getenv("K3SERVE_BLAS_TUNE");
-        return std::string(e ? e : "1");
-      }();
-      const bool tune = mode != "0";
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      K3_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
+  static const std::string& TuneMode() {
+    static const std::string mode = [] {
+      const char* e = std::getenv("K3SERVE_BLAS_TUNE");
+      return std::string(e ? e : "1");
+    }();
+    return mode;
+  }
+  static bool Tuning(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    return TuneMode() != "0" && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+           capture == cudaStreamCaptureStatusNone;
+  }
+
+  // The choice for the shape, made at its first use.
+  cudaError_t Chosen(const Shape& sh, const __nv_bfloat16* w, cudaStream_t stream, const Choice** choice) {
+    Tuned& t = Cache();
+    std::lock_guard<std::recursive_mutex> lock(t.mu);
+    const auto key = std::tuple_cat(std::make_tuple(Device()), sh.Key());
+    auto it = t.algos.find(key);
+    if (it == t.algos.end()) {
       Layouts ref;
       K3_CUDA_TRY(sh.Make(&ref, kRefRows));
       Candidates cands;
-      K3_CUDA_TRY(Heuristic(ref, tune && capture == cudaStreamCaptureStatusNone ? kTuneCandidates : 1, &cands));
-      cublasLtMatmulAlgo_t a;
-      K3_CUDA_TRY(Fastest(sh, w, ref, cands, stream, mode == "verbose", &a));
-      it = algos.emplace(sh.Key(), a).first;
+      K3_CUDA_TRY(Heuristic(ref, Tuning(stream) ? kTuneCandidates : 1, &cands));
+      Choice c;
+      K3_CUDA_TRY(Fastest(sh, w, ref, cands, stream, TuneMode() == "verbose", &c));
+      it = t.algos.emplace(key, c).first;
     }
+    *choice = &it->second;  // std::map nodes stay put
+    return cudaSuccess;
+  }
+
+  cudaError_t Algo(const Shape& sh, const __nv_bfloat16* w, const Layouts& l, cudaStream_t stream,
+                   cublasLtMatmulAlgo_t* algo) {
+    const Choice* c = nullptr;
+    K3_CUDA_TRY(Chosen(sh, w, stream, &c));
     cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(lt, desc, l.w, l.x, l.c, l.c, &it->second, &check) == CUBLAS_STATUS_SUCCESS &&
+    if (cublasLtMatmulAlgoCheck(lt, desc, l.w, l.x, l.c, l.c, &c->algo, &check) == CUBLAS_STATUS_SUCCESS &&
         check.workspaceSize <= kLtWorkspace) {
-      *algo = it->second;
+      *algo = c->algo;
       return cudaSuccess;
     }
     Candidates first;  // this row count needs another kernel (not met at the engine's shapes)
     K3_CUDA_TRY(Heuristic(l, 1, &first));
     *algo = first.a[0];
+    return cudaSuccess;
+  }
+
+  static bool PartsFit(int64_t K, int64_t parts) {
+    return parts >= 1 && parts <= kMaxSumParts && K % parts == 0 && (K / parts) % 16 == 0;
+  }
+
+  // k_parts = 0: the fastest slice count for (N, K), each count with its fastest algorithm, timed for kRefRows
+  // stacked rows at the first use; more slices only when 5% faster (their consumers read more sums); 1 when
+  // nothing can be timed (a graph capture, K3SERVE_BLAS_TUNE=0).
+  cudaError_t AutoParts(const LinearArgs& a, cudaStream_t stream, int64_t* parts) {
+    static const int64_t forced = [] {
+      const char* e = std::getenv("K3SERVE_BLAS_PARTS");
+      return e ? std::atoll(e) : int64_t{0};
+    }();
+    if (forced > 0) {
+      *parts = PartsFit(a.K, forced) ? forced : 1;
+      return cudaSuccess;
+    }
+    Tuned& t = Cache();
+    std::lock_guard<std::recursive_mutex> lock(t.mu);
+    const auto key = std::make_tuple(Device(), a.N, a.K);
+    auto it = t.k_parts.find(key);
+    if (it == t.k_parts.end()) {
+      int64_t best = 1;
+      float best_us = 0.0f, whole_us = 0.0f;
+      if (Tuning(stream)) {
+        for (int64_t p = 1; p <= kMaxSumParts; ++p) {
+          if (!PartsFit(a.K, p)) continue;
+          const Choice* c = nullptr;
+          K3_CUDA_TRY(Chosen(Shape::Of(a, a.K, p), a.w, stream, &c));
+          if (p == 1) whole_us = c->us;
+          if (c->us > 0.0f && (best_us == 0.0f || c->us < 0.95f * best_us)) best = p, best_us = c->us;
+        }
+        if (TuneMode() == "verbose")
+          std::fprintf(stderr, "LinearBlas: N %ld K %ld: K in %ld slices, %.1f us (whole K %.1f us)\n",
+                       static_cast<long>(a.N), static_cast<long>(a.K), static_cast<long>(best), best_us, whole_us);
+      }
+      it = t.k_parts.emplace(key, best).first;
+    }
+    *parts = it->second;
     return cudaSuccess;
   }
 };
@@ -559,28 +652,28 @@ cudaError_t LinearBlas::Init(size_t bytes) {
   return cudaSuccess;
 }
 
-int64_t LinearBlas::ChunkRows(const LinearArgs& a) const {
-  int64_t chunk = a.M;  // the stacked x and C of a chunk fit the workspace
-  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K, a.groups) > s_->ws_bytes) chunk = chunk / 2;
+int64_t LinearBlas::ChunkRows(const LinearArgs& a, int64_t parts) const {
+  int64_t chunk = a.M;  // the stacked x and C (a plane per group or K slice) of a chunk fit the workspace
+  while (chunk > 0 && WorkspaceBytes(chunk, a.N, a.K, std::max(a.groups, parts)) > s_->ws_bytes) chunk = chunk / 2;
   return chunk;
 }
 
 bool LinearBlas::Unfoldable(const LinearArgs& a) const {
-  return !a.glu && a.groups == 1 && a.M > 0 && ChunkRows(a) == a.M;
+  return !a.glu && a.groups == 1 && a.M > 0 && ChunkRows(a, a.k_parts > 0 ? a.k_parts : kMaxSumParts) == a.M;
 }
 
 cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) { return Product(a, stream, nullptr); }
 
 cudaError_t LinearBlas::Fold(const LinearArgs& a, Sums s, cudaStream_t stream) {
   if (a.N <= 0 || a.M < 0 || !a.y || !s.p || a.glu || a.groups != 1 || s.ld < a.N || s.lo_rows < 0 ||
-      (a.out == LinearOut::kSplit && a.y_lo == 0))
+      s.parts < 1 || s.parts > kMaxSumParts || (a.out == LinearOut::kSplit && a.y_lo == 0))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const int64_t per_block = kFoldThreads * kFoldCols;
   const dim3 grid(static_cast<unsigned>((a.N + per_block - 1) / per_block),
                   static_cast<unsigned>(std::min<int64_t>(a.M, 65535)), 1);
   K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, s.p, s.ld, int64_t{0}, a.M, s.lo_rows,
-                           int64_t{0}));
+                           int64_t{0}, s.parts, s.part_stride));
   return cudaGetLastError();
 }
 
@@ -593,9 +686,14 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
   State& s = *s_;
   K3_CUDA_TRY(Check(a, !unfolded));
   if (!s.lt || (unfolded && a.groups != 1)) return cudaErrorInvalidValue;
+  if (a.k_parts < 0 || (a.k_parts != 1 && (a.groups != 1 || a.glu)) ||
+      (a.k_parts > 1 && !State::PartsFit(a.K, a.k_parts)))
+    return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
+  int64_t parts = a.k_parts;
+  if (parts == 0) K3_CUDA_TRY(s.AutoParts(a, stream, &parts));
   const bool split = a.x.lo != 0;
-  const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N), chunk = ChunkRows(a);
+  const int64_t planes = split ? 2 : 1, ldc = Ldc(a.N), chunk = ChunkRows(a, parts);
   if (chunk == 0) return cudaErrorMemoryAllocation;
   // x is used in place when its rows already form the GEMM operand: one chunk, and a split x whose lo plane
   // starts right after its M hi rows (the engine lays its planes out so); else the rows are copied (stacked).
@@ -616,21 +714,21 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
                                       a.K * 2, rows, cudaMemcpyDeviceToDevice, stream));
       x = xs, ldx = a.K;
     }
-    const State::Shape shape{a.N, a.K, ldx, a.groups, a.w_group_stride, a.x_group_stride};
+    const State::Shape shape = State::Shape::Of(a, ldx, parts);
     State::Layouts l;
     K3_CUDA_TRY(shape.Make(&l, n));
     cublasLtMatmulAlgo_t algo;
     K3_CUDA_TRY(s.Algo(shape, a.w, l, stream, &algo));
     K3_CUDA_TRY(Lt(s.Matmul(a.w, l, x, C, &algo, stream)));
     if (unfolded) {  // one chunk
-      *unfolded = Sums{C, ldc, split ? rows : 0};
+      *unfolded = Sums{C, ldc, split ? rows : 0, parts, n * ldc};
       return cudaSuccess;
     }
     const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
     const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
                     static_cast<unsigned>(std::min<int64_t>(rows, 65535)), static_cast<unsigned>(a.groups));
-    K3_CUDA_TRY(
-        LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, C, ldc, r0, rows, split ? rows : 0, n * ldc));
+    K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, C, ldc, r0, rows, split ? rows : 0,
+                             n * ldc, parts, n * ldc));
     K3_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;

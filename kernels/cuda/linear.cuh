@@ -45,6 +45,12 @@ struct LinearArgs {
   int64_t groups = 1;  // of M rows each
   int64_t M = 0;
 
+  // LinearBlas, one group, no GLU: K as this many equal slices, one strided batch whose slices' sums stay apart
+  // (Sums::parts) and are added in slice order by the fold or by the consumer of RunUnfolded's sums — a skinny
+  // product (N 2304, K 4096: 36 output tiles) fills the SMs without a split-K reduce kernel. 0: the fastest of
+  // 1 … kMaxSumParts for the shape, timed once like the algorithms (K3SERVE_BLAS_PARTS=n picks n instead).
+  int64_t k_parts = 1;
+
   // GLU: weight rows [0, N/2) are the gate, [N/2, N) the up projection; y gets N/2 columns act(gate)·up.
   bool glu = false;
   GluAct act = GluAct::kSilu;
@@ -57,9 +63,10 @@ cudaError_t Linear(const LinearArgs& a, cudaStream_t stream);
 // shape (for 128 stacked rows, a decode batch of 64) and kept for every row count, so a row's sums do not
 // depend on the other rows of the batch (cuBLAS's own heuristic would pick other split-K schemes per M). The
 // choice is the fastest of the heuristic's candidates (and their split-K variants), timed with the weight out of
-// L2 at the shape's first use; K3SERVE_BLAS_TUNE=0 keeps the heuristic's first choice, =verbose prints each
-// choice. A first use inside a graph capture cannot time anything and keeps the first choice too.
-// Rows go in chunks that fit the workspace. Not thread-safe: one per stream.
+// L2 at the shape's first use in the process (on that device; every LinearBlas then runs the shape alike);
+// K3SERVE_BLAS_TUNE=0 keeps the heuristic's first choice, =verbose prints each choice. A first use inside a graph
+// capture cannot time anything and keeps the first choice too.
+// Rows go in chunks that fit the workspace. Not thread-safe: one per stream (the choices are shared safely).
 class LinearBlas {
  public:
   LinearBlas();
@@ -72,9 +79,10 @@ class LinearBlas {
   // Creates the handle and a workspace of `bytes` (at least WorkspaceBytes(1, N, K) of the largest product).
   cudaError_t Init(size_t bytes);
   cudaError_t Run(const LinearArgs& a, cudaStream_t stream);
-  // The product without its fold pass: *y = the sums (hi rows, then lo rows), valid until the next call on this
-  // LinearBlas; a.y and a.out are not used. For a consumer that reads the product once and adds the halves as it
-  // reads (AddRmsNorm, RouteTopK): one kernel fewer. Needs one chunk (Unfoldable) and no GLU.
+  // The product without its fold pass: *y = the sums (hi rows, then lo rows; K slices as parts), valid until the
+  // next call on this LinearBlas; a.y and a.out are not used. For a consumer that reads the product once and adds
+  // the halves as it reads (AddRmsNorm, RouteTopK): one kernel fewer. Needs one chunk (Unfoldable: with
+  // k_parts = 0, room for kMaxSumParts of them) and no GLU.
   bool Unfoldable(const LinearArgs& a) const;
   cudaError_t RunUnfolded(const LinearArgs& a, cudaStream_t stream, Sums* y);
   // The fold pass alone: y (a's output mode, a.N columns, a.M rows, one group, no GLU) from sums — for the columns
@@ -85,7 +93,7 @@ class LinearBlas {
 
  private:
   cudaError_t Product(const LinearArgs& a, cudaStream_t stream, Sums* unfolded);
-  int64_t ChunkRows(const LinearArgs& a) const;
+  int64_t ChunkRows(const LinearArgs& a, int64_t parts) const;
 
   std::unique_ptr<State> s_;
 };

@@ -1,5 +1,7 @@
 #include "kernels/cuda/norm.cuh"
 
+#include <algorithm>
+
 #include "kernels/cuda/cuda_try.cuh"
 #include "kernels/cuda/launch.cuh"
 
@@ -43,15 +45,24 @@ __global__ __launch_bounds__(kRowThreads) void RmsNormKernel(int64_t D, Split x,
 
 __device__ __forceinline__ float4 Add4(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
 
-// The row's 4-column group c4 of a: hi row (+ lo row).
+// The row's 4-column group c4 of a: hi row (+ lo row), over a's parts in order (Sums::At four at a time); kParts
+// ≥ a.parts at compile time, so that every load is issued before the first add.
+template <int kParts>
 __device__ __forceinline__ float4 Sum4(const Sums& a, int64_t r, int64_t c4) {
-  const float4* q = reinterpret_cast<const float4*>(a.p + r * a.ld) + c4;
-  return a.lo_rows != 0 ? Add4(q[0], q[a.lo_rows * a.ld / 4]) : q[0];
+  auto part = [&](int64_t k) {
+    const float4* q = reinterpret_cast<const float4*>(a.p + k * a.part_stride + r * a.ld) + c4;
+    return a.lo_rows != 0 ? Add4(q[0], q[a.lo_rows * a.ld / 4]) : q[0];
+  };
+  float4 v = part(0);
+#pragma unroll
+  for (int k = 1; k < kParts; ++k)
+    if (k < a.parts) v = Add4(v, part(k));
+  return v;
 }
 
 // AddRmsNorm with 16-byte accesses, the row held in registers (kIt float4 a thread): every load of the row is
 // issued before the first add, one memory round trip instead of one per column group, and one pass over x.
-template <int kIt>
+template <int kIt, int kParts>
 __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x, int64_t ldx, Sums a, Sums b,
                                                             const int32_t* rows, const float* w, float eps, Split y,
                                                             bool write_x) {
@@ -64,8 +75,8 @@ __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x,
     const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
     if (c4 < D4) {
       v[t] = xr[c4];
-      if (a.p) va[t] = Sum4(a, r, c4);
-      if (b.p) vb[t] = Sum4(b, r, c4);
+      if (a.p) va[t] = Sum4<kParts>(a, r, c4);
+      if (b.p) vb[t] = Sum4<kParts>(b, r, c4);
     }
   }
   float ss = 0.0f;
@@ -94,7 +105,7 @@ __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x,
 // accesses (or the row needs more than 8 float4 a thread).
 bool VecShape(int64_t D, const float* x, int64_t ldx, Sums a, Sums b, const float* w, Split y, int* threads, int* it) {
   auto aligned = [](const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  auto ok = [&](Sums s) { return !s.p || (aligned(s.p, 16) && s.ld % 4 == 0); };
+  auto ok = [&](Sums s) { return !s.p || (aligned(s.p, 16) && s.ld % 4 == 0 && s.part_stride % 4 == 0); };
   if (D % 4 != 0 || ldx % 4 != 0 || !aligned(x, 16) || !ok(a) || !ok(b) || (w && !aligned(w, 16)) || y.ld % 4 != 0 ||
       y.lo % 4 != 0 || !aligned(y.p, 8))
     return false;
@@ -135,24 +146,38 @@ __global__ __launch_bounds__(kRowThreads) void AddRmsNormKernel(int64_t D, float
   }
 }
 
+template <int kIt>
+cudaError_t LaunchVec(int parts, unsigned grid, int threads, cudaStream_t stream, int64_t D, float* x, int64_t ldx,
+                      Sums a, Sums b, const int32_t* rows, const float* w, float eps, Split y, bool write_x) {
+  switch (parts) {
+    case 1:
+      return LaunchKernel(AddRmsNormVecKernel<kIt, 1>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y,
+                          write_x);
+    case 2:
+      return LaunchKernel(AddRmsNormVecKernel<kIt, 2>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y,
+                          write_x);
+    default:
+      return LaunchKernel(AddRmsNormVecKernel<kIt, kMaxSumParts>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w,
+                          eps, y, write_x);
+  }
+}
+
 cudaError_t LaunchAddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums b, const int32_t* rows,
                              const float* w, float eps, Split y, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(M);
   const bool write_x = !rows && (a.p || b.p);
+  const int parts = static_cast<int>(std::max(a.p ? a.parts : 1, b.p ? b.parts : 1));
   int threads = 0, it = 0;
   if (!VecShape(D, x, ldx, a, b, w, y, &threads, &it)) {
     K3_CUDA_TRY(
         LaunchKernel(AddRmsNormKernel, grid, kRowThreads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
   } else if (it == 2) {
-    K3_CUDA_TRY(
-        LaunchKernel(AddRmsNormVecKernel<2>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+    K3_CUDA_TRY(LaunchVec<2>(parts, grid, threads, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
   } else if (it == 4) {
-    K3_CUDA_TRY(
-        LaunchKernel(AddRmsNormVecKernel<4>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+    K3_CUDA_TRY(LaunchVec<4>(parts, grid, threads, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
   } else {
-    K3_CUDA_TRY(
-        LaunchKernel(AddRmsNormVecKernel<8>, grid, threads, 0, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
+    K3_CUDA_TRY(LaunchVec<8>(parts, grid, threads, stream, D, x, ldx, a, b, rows, w, eps, y, write_x));
   }
   return cudaGetLastError();
 }
@@ -205,7 +230,8 @@ cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Sp
 
 cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums b, const int32_t* rows, const float* w,
                        float eps, Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || ldx < D || (a.p && a.ld < D) || (b.p && b.ld < D)) return cudaErrorInvalidValue;
+  auto bad = [&](const Sums& s) { return s.p && (s.ld < D || s.parts < 1 || s.parts > kMaxSumParts); };
+  if (Bad(M, D, x, y) || ldx < D || bad(a) || bad(b)) return cudaErrorInvalidValue;
   return LaunchAddRmsNorm(M, D, x, ldx, a, b, rows, w, eps, y, stream);
 }
 
@@ -230,7 +256,8 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
                          float eps, Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D)
+  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || gate.parts < 1 ||
+      gate.parts > kMaxSumParts)
     return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
   K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,

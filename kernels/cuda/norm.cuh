@@ -19,7 +19,8 @@ cudaError_t RmsNorm(int64_t M, int64_t D, const float* x, int64_t ldx, const int
 cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Split y, cudaStream_t stream);
 
 // The residual adds of the products before a norm, folded into it: h_i = (x_i + a_i) + b_i (a, b: a product's
-// unfolded sums or plain fp32 rows, row i of the batch at row i of each; p == null: none), y_i = RMSNorm(h_i; w).
+// unfolded sums, in parts or not, or plain fp32 rows, row i of the batch at row i of each; p == null: none),
+// y_i = RMSNorm(h_i; w).
 // The sums round as the fold and AddInto2 did them one after the other. Without rows, x_i = h_i in place; with
 // rows (batch row i is rows[i], of x, a and b) x is left as it is — the final norm, after which x is not read.
 cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums b, const int32_t* rows,

@@ -216,6 +216,107 @@ TEST(LinearCuda, BlasUnfoldedSumsAreTheFold) {
   EXPECT_EQ(small.RunUnfolded(a, nullptr, &sums), cudaErrorInvalidValue);
 }
 
+// K in slices (k_parts): each part is its slice's product (double reference), Run's fold and LinearBlas::Fold add
+// the parts in order as the sums' consumers do (bit for bit: AddRmsNorm on the parts against AddRmsNorm on the folded
+// rows, by the 16-byte and the scalar kernels), for a split and a plain x, odd rows, one row and none; k_parts = 0
+// picks a count that divides K; too many, counts that do not divide K into multiples of 16, a GLU or groups are
+// refused.
+TEST(LinearCuda, BlasKPartsAddUpInOrder) {
+  REQUIRE_GPU();
+  const int64_t N = 100, K = 384;
+  std::vector<float> w = Randn(N * K, 52, 0.05f);
+  DeviceBuffer<uint16_t> dw(ToBf16(w));
+  for (const int64_t M : {37, 1, 0})
+    for (const bool split : {true, false})
+      for (const int64_t parts : {2, 3, 4, 0}) {
+        const std::string what =
+            "M " + std::to_string(M) + " split " + std::to_string(split) + " k_parts " + std::to_string(parts);
+        std::vector<float> x = Randn(M * K, 53);
+        std::vector<uint16_t> planes = split ? ToSplitPlanes(x) : ToBf16(x);  // x: what the product sees
+        planes.resize(std::max<size_t>(planes.size(), 8));
+        DeviceBuffer<uint16_t> dx(planes);
+        DeviceBuffer<float> dy(std::max<int64_t>(M * N, 1)), dcols(std::max<int64_t>(M * N, 1));
+        LinearBlas lb;
+        CUDA_OK(lb.Init(LinearBlas::WorkspaceBytes(std::max<int64_t>(M, 1), N, K, kMaxSumParts)));
+        LinearArgs a;
+        a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{dx.bf(), K, split ? M * K : 0}, a.M = M, a.k_parts = parts;
+        a.y = dy.get(), a.ldy = N, a.out = LinearOut::kF32;
+        CUDA_OK(lb.Run(a, nullptr));
+        ASSERT_EQ(lb.Unfoldable(a), M > 0) << what;
+        Sums sums;
+        if (M == 0) {
+          EXPECT_EQ(lb.RunUnfolded(a, nullptr, &sums), cudaErrorInvalidValue) << what;  // nothing to unfold
+          continue;
+        }
+        CUDA_OK(lb.RunUnfolded(a, nullptr, &sums));
+        CUDA_OK(cudaDeviceSynchronize());
+        const int64_t P = sums.parts;
+        ASSERT_TRUE(parts == 0 ? P >= 1 && K % P == 0 && (K / P) % 16 == 0 : P == parts) << what << " parts " << P;
+        ASSERT_EQ(sums.lo_rows, split ? M : 0) << what;
+        std::vector<float> C((P - 1) * sums.part_stride + (M + sums.lo_rows) * sums.ld);
+        CUDA_OK(cudaMemcpy(C.data(), sums.p, C.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        const int64_t Kc = K / P;
+        std::vector<float> folded(M * N), got_part(M * N), ref_part(M * N);
+        for (int64_t k = 0; k < P; ++k) {
+          for (int64_t r = 0; r < M; ++r)
+            for (int64_t c = 0; c < N; ++c) {
+              const float* q = C.data() + k * sums.part_stride + r * sums.ld + c;
+              const float v = split ? q[0] + q[M * sums.ld] : q[0];
+              folded[r * N + c] = k == 0 ? v : folded[r * N + c] + v;
+              got_part[r * N + c] = v;
+              double dot = 0;
+              for (int64_t i = k * Kc; i < (k + 1) * Kc; ++i) dot += double(w[c * K + i]) * x[r * K + i];
+              ref_part[r * N + c] = static_cast<float>(dot);
+            }
+          EXPECT_LT(Rel(got_part, ref_part), 2e-5) << what << " part " << k;
+        }
+        EXPECT_EQ(dy.ToHost(), folded) << "Run's fold, " << what;
+        LinearArgs cols;
+        cols.N = N, cols.M = M, cols.y = dcols.get(), cols.ldy = N, cols.out = LinearOut::kF32;
+        CUDA_OK(LinearBlas::Fold(cols, sums, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_EQ(dcols.ToHost(), folded) << "Fold, " << what;
+        // AddRmsNorm over the parts and over the folded rows: D = 100 (16-byte kernel) and 99 (scalar).
+        for (const int64_t D : {N, N - 1}) {
+          const std::vector<float> x0 = Randn(M * D, 54, 2.0f), g = Randn(D, 55);
+          DeviceBuffer<float> dx0(x0), dx1(x0), dg(g), dfold(folded);
+          DeviceBuffer<uint16_t> y0(2 * M * D), y1(2 * M * D);
+          CUDA_OK(AddRmsNorm(M, D, dx0.get(), D, sums, {}, nullptr, dg.get(), 1e-5f, Split{y0.bf(), D, M * D},
+                             nullptr));
+          CUDA_OK(AddRmsNorm(M, D, dx1.get(), D, Sums{dfold.get(), N, 0}, {}, nullptr, dg.get(), 1e-5f,
+                             Split{y1.bf(), D, M * D}, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          EXPECT_EQ(dx0.ToHost(), dx1.ToHost()) << "AddRmsNorm's x, D " << D << ", " << what;
+          EXPECT_EQ(y0.ToHost(), y1.ToHost()) << "AddRmsNorm's y, D " << D << ", " << what;
+        }
+      }
+  LinearBlas lb;
+  CUDA_OK(lb.Init(LinearBlas::WorkspaceBytes(8, N, K, kMaxSumParts)));
+  DeviceBuffer<uint16_t> dx(2 * 8 * K);
+  DeviceBuffer<float> dy(8 * N);
+  LinearArgs a;
+  a.N = N, a.K = K, a.w = dw.bf(), a.x = Split{dx.bf(), K, 8 * K}, a.M = 8, a.y = dy.get(), a.ldy = N;
+  for (const auto& [k, bad] : {std::pair<int64_t, int64_t>{384, kMaxSumParts + 1}, {384, -1}, {400, 3}, {400, 2}}) {
+    a.K = k, a.k_parts = bad;  // more than kMaxSumParts, negative, not dividing K, slices not a multiple of 16
+    EXPECT_EQ(lb.Run(a, nullptr), cudaErrorInvalidValue) << "K " << k << " k_parts " << bad;
+  }
+  a.K = K;
+  a.k_parts = 2, a.glu = true;
+  EXPECT_EQ(lb.Run(a, nullptr), cudaErrorInvalidValue) << "a GLU in parts";
+  a.glu = false, a.groups = 2, a.x_group_stride = 0;
+  EXPECT_EQ(lb.Run(a, nullptr), cudaErrorInvalidValue) << "groups in parts";
+  Sums many{dy.get(), N, 0, kMaxSumParts + 1, N};
+  DeviceBuffer<uint16_t> y(2 * N);
+  EXPECT_EQ(AddRmsNorm(1, N, dy.get(), N, many, {}, nullptr, nullptr, 1e-5f, Split{y.bf(), N, N}, nullptr),
+            cudaErrorInvalidValue);
+  LinearBlas small;  // room for 8 rows of two parts, not of kMaxSumParts
+  CUDA_OK(small.Init(LinearBlas::WorkspaceBytes(8, N, K, 2)));
+  a.groups = 1, a.k_parts = 2;
+  EXPECT_TRUE(small.Unfoldable(a));
+  a.k_parts = 0;
+  EXPECT_FALSE(small.Unfoldable(a));
+}
+
 // Groups on LinearBlas (one strided batch: MLA's per-head products) against a double reference: 5 groups of a
 // 40 × 96 product over column slices of a split x, plain fp32 and split outputs, odd rows; an x whose lo plane is
 // not right after its rows (not usable in place) is refused.

@@ -25,13 +25,23 @@ struct Split {
 // A product's fp32 sums for a split x as cuBLASLt leaves them (LinearBlas::RunUnfolded): row r of x · Wᵀ is
 // p[r·ld + c] + p[(r + lo_rows)·ld + c], the hi rows' sums plus the lo rows'. lo_rows = 0: p alone (any fp32
 // matrix). Kernels that read a product once add the halves themselves, and the product needs no fold pass.
+// A product run as K slices (LinearArgs::k_parts) leaves one such pair per slice, part_stride floats apart: the
+// value is part 0 + part 1 + … in that order. Only kernels that say so take parts > 1 (they use At or Sum4).
+constexpr int64_t kMaxSumParts = 4;
+
 struct Sums {
   const float* p = nullptr;
   int64_t ld = 0, lo_rows = 0;
+  int64_t parts = 1, part_stride = 0;
 #ifdef __CUDACC__
-  __device__ __forceinline__ float At(int64_t r, int64_t c) const {
-    const float* q = p + r * ld + c;
+  __device__ __forceinline__ float Part(int64_t k, int64_t r, int64_t c) const {
+    const float* q = p + k * part_stride + r * ld + c;
     return lo_rows != 0 ? q[0] + q[lo_rows * ld] : q[0];
+  }
+  __device__ __forceinline__ float At(int64_t r, int64_t c) const {
+    float v = Part(0, r, c);
+    for (int64_t k = 1; k < parts; ++k) v += Part(k, r, c);
+    return v;
   }
 #endif
 };

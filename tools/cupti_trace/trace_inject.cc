@@ -1,7 +1,7 @@
 // A kernel timeline where nsys is missing (the device machine): a CUPTI library the CUDA driver loads at start-up
-// (CUDA_INJECTION64_PATH=…/libk3serve-cupti-trace.so) that records every kernel's start, end, stream and name,
-// graph kernels included, and writes them as CSV to $TRACE_OUT at exit. tools/cupti_trace/steps.py turns a trace
-// of k3serve-bench-e2e into what each kernel adds to a decode step (engine/cuda/README.md, "Stop 13").
+// (CUDA_INJECTION64_PATH=…/libk3serve-cupti-trace.so) that records every kernel's, memset's and copy's start, end,
+// stream and name, graph nodes included, and writes them as CSV to $TRACE_OUT at exit. tools/cupti_trace/steps.py
+// turns a trace of k3serve-bench-e2e into what each kernel adds to a decode step (engine/cuda/README.md, "Stop 13").
 #include <cupti.h>
 #include <cxxabi.h>
 
@@ -26,17 +26,31 @@ void CUPTIAPI Completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t val
   CUpti_Activity* r = nullptr;
   std::lock_guard<std::mutex> lock(mu);
   while (cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) {
-    if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && r->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
-    const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(r);
-    int status = 0;
-    char* dem = abi::__cxa_demangle(k->name, nullptr, nullptr, &status);
-    std::string name = status == 0 && dem ? dem : k->name;
-    free(dem);
+    unsigned long long start = 0, end = 0;
+    uint32_t stream = 0;
+    std::string name;
+    if (r->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || r->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
+      const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(r);
+      int status = 0;
+      char* dem = abi::__cxa_demangle(k->name, nullptr, nullptr, &status);
+      name = status == 0 && dem ? dem : k->name;
+      free(dem);
+      start = k->start, end = k->end, stream = k->streamId;
+    } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMSET) {  // graph memset nodes too (cuBLASLt's, say)
+      const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(r);
+      name = "memset " + std::to_string(m->bytes) + " bytes";
+      start = m->start, end = m->end, stream = m->streamId;
+    } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+      const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(r);
+      name = "memcpy " + std::to_string(m->bytes) + " bytes";
+      start = m->start, end = m->end, stream = m->streamId;
+    } else {
+      continue;
+    }
     for (char& c : name)
       if (c == ',') c = ';';
     char buf[64];
-    std::snprintf(buf, sizeof(buf), "%llu,%llu,%u,", static_cast<unsigned long long>(k->start),
-                  static_cast<unsigned long long>(k->end), k->streamId);
+    std::snprintf(buf, sizeof(buf), "%llu,%llu,%u,", start, end, stream);
     lines.push_back(buf + name);
   }
   free(buffer);
@@ -57,6 +71,8 @@ void Flush() {
 extern "C" int InitializeInjection(void) {
   cuptiActivityRegisterCallbacks(Requested, Completed);
   cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
+  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
   std::atexit(Flush);
   return 1;
 }
