@@ -280,9 +280,11 @@ struct CudaModel::Impl {
     return absl::OkStatus();
   }
   // in · Wᵀ as sums for a consumer that adds the halves as it reads them: unfolded when the rows fit one chunk,
-  // else folded into y (fp32, n columns).
-  absl::StatusOr<Sums> Product(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, float* y, On on) {
-    const LinearArgs la = Args(w, n, k, in, M, y, n, LinearOut::kF32);
+  // else folded into y (fp32, n columns). k_parts ≠ 1: a consumer that adds K slices too (Sums::parts).
+  absl::StatusOr<Sums> Product(const bf16* w, int64_t n, int64_t k, Split in, int64_t M, float* y, On on,
+                               int64_t k_parts = 1) {
+    LinearArgs la = Args(w, n, k, in, M, y, n, LinearOut::kF32);
+    la.k_parts = k_parts;
     LinearBlas& lb = on == On::kSide ? blas_side : blas;
     if (lb.Unfoldable(la)) {
       Sums sums;
@@ -892,11 +894,13 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
     return absl::FailedPreconditionError("the routed experts are not loaded here and no expert executor is set");
   // Front: router, top-k, latent down-projection.
   std::optional<Phase> phase(std::in_place, *this, "moe.router");
-  K3_ASSIGN_OR_RETURN(const Sums logits, Product(w.router, E, d, m, N, rlogits, On::kMain));
+  // K in slices when faster: the top-k adds them (no split-K reduce kernel).
+  K3_ASSIGN_OR_RETURN(const Sums logits, Product(w.router, E, d, m, N, rlogits, On::kMain, 0));
   RouterArgs ra;
   ra.N = N, ra.num_experts = E, ra.top_k = k, ra.num_groups = c.num_expert_group, ra.topk_groups = c.topk_group;
   ra.renormalize = c.moe_renormalize, ra.scale = c.routed_scaling_factor;
   ra.logits = logits.p, ra.ldl = logits.ld, ra.logits_lo_rows = logits.lo_rows;
+  ra.logits_parts = logits.parts, ra.logits_part_stride = logits.part_stride;
   ra.bias = w.bias, ra.idx = idx, ra.w = wts;
   K3_CUDA_OK(RouteTopK(ra, stream));
   // The shared experts read m too: on the side stream, beside the routed experts; added after them (their down

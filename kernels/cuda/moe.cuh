@@ -42,8 +42,10 @@ struct RouterArgs {
   float scale = 1.0f;
   const float* logits = nullptr;  // [N, E] fp32 (the gate GEMM's output), row n at logits + n·ldl
   int64_t ldl = 0;                 // 0: E
-  // > 0: the gate product's unfolded sums (LinearBlas::RunUnfolded): row n is the sum of rows n and n + lo_rows.
+  // > 0: the gate product's unfolded sums (LinearBlas::RunUnfolded): row n is the sum of rows n and n + lo_rows;
+  // of logits_parts such pairs (K slices, Sums::parts) part_stride floats apart, added in order.
   int64_t logits_lo_rows = 0;
+  int64_t logits_parts = 1, logits_part_stride = 0;
   const float* bias = nullptr;    // [E] e_score_correction_bias, or null
   int32_t* idx = nullptr;         // [N, k], descending s'
   float* w = nullptr;             // [N, k]

@@ -34,22 +34,27 @@ cpu::RouterParams Cpu(const RouterArgs& a) {
 }
 
 // Routes N tokens of `logits` on the GPU (with the QB histogram when bins > 0) and checks ids, weights
-// and histogram against the CPU. unfolded: the GPU reads them as a product's unfolded sums (rows of E + 5, each
-// logit the fp32 sum of a hi row's value and a small lo row's, the reference the sums).
+// and histogram against the CPU. parts > 0: the GPU reads them as a product's unfolded sums (rows of E + 5, each
+// logit the fp32 sum of a hi row's value and a small lo row's; parts > 1: that many such pairs, K slices of the
+// product, added in order; the reference the sums).
 void CheckRouter(RouterArgs a, std::vector<float> logits, const std::vector<float>& bias, int64_t bins = 0,
-                 bool unfolded = false) {
+                 int64_t parts = 0) {
   const int64_t N = a.N, E = a.num_experts, k = a.top_k;
   std::vector<float> dev = logits;
-  if (unfolded) {
-    const int64_t ld = E + 5;
-    const auto lo = Random(N * E, 99, 1e-3f);
-    dev.assign(2 * N * ld, NAN);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t e = 0; e < E; ++e) {
-        dev[n * ld + e] = logits[n * E + e], dev[(N + n) * ld + e] = lo[n * E + e];
-        logits[n * E + e] += lo[n * E + e];
-      }
-    a.ldl = ld, a.logits_lo_rows = N;
+  if (parts > 0) {
+    const int64_t ld = E + 5, stride = 2 * N * ld + 3;
+    dev.assign(parts * stride, NAN);
+    for (int64_t p = 0; p < parts; ++p) {
+      const auto hi = Random(N * E, 98 + 2 * p, 0.3f), lo = Random(N * E, 99 + 2 * p, 1e-3f);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t e = 0; e < E; ++e) {
+          float* q = dev.data() + p * stride;
+          q[n * ld + e] = p == 0 ? logits[n * E + e] : hi[n * E + e], q[(N + n) * ld + e] = lo[n * E + e];
+          const float part = q[n * ld + e] + q[(N + n) * ld + e];
+          logits[n * E + e] = p == 0 ? part : logits[n * E + e] + part;
+        }
+    }
+    a.ldl = ld, a.logits_lo_rows = N, a.logits_parts = parts, a.logits_part_stride = stride;
   }
   DeviceBuffer<float> d_logits(dev), d_bias(bias), d_w(N * k);
   DeviceBuffer<int32_t> d_idx(N * k), d_hist(std::max<int64_t>(bins, 1) * E);
@@ -105,7 +110,8 @@ TEST(RouteTopKCuda, MatchesReference) {
     const auto logits = Random(a.N * a.num_experts, seed++, 2.0f), bias = Random(a.num_experts, seed++, 0.1f);
     CheckRouter(a, logits, bias);
     CheckRouter(a, logits, {});
-    CheckRouter(a, logits, bias, 0, /*unfolded=*/true);
+    CheckRouter(a, logits, bias, 0, /*parts=*/1);
+    CheckRouter(a, logits, bias, 0, /*parts=*/3);
   }
 }
 
