@@ -686,7 +686,7 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
   State& s = *s_;
   K3_CUDA_TRY(Check(a, !unfolded));
   if (!s.lt || (unfolded && a.groups != 1)) return cudaErrorInvalidValue;
-  if (a.k_parts < 0 || (a.k_parts != 1 && (a.groups != 1 || a.glu)) ||
+  if (a.k_parts < 0 || (a.k_parts != 1 && a.groups != 1) ||
       (a.k_parts > 1 && !State::PartsFit(a.K, a.k_parts)))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;

@@ -45,7 +45,7 @@ struct LinearArgs {
   int64_t groups = 1;  // of M rows each
   int64_t M = 0;
 
-  // LinearBlas, one group, no GLU: K as this many equal slices, one strided batch whose slices' sums stay apart
+  // LinearBlas, one group: K as this many equal slices, one strided batch whose slices' sums stay apart
   // (Sums::parts) and are added in slice order by the fold or by the consumer of RunUnfolded's sums — a skinny
   // product (N 2304, K 4096: 36 output tiles) fills the SMs without a split-K reduce kernel. 0: the fastest of
   // 1 … kMaxSumParts for the shape, timed once like the algorithms (K3SERVE_BLAS_PARTS=n picks n instead).

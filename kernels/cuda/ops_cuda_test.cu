@@ -72,7 +72,7 @@ struct LinearCase {
 
 // Both implementations (our kernel, cuBLASLt with the stacked split) against a double-precision reference, on
 // odd sizes, one row, no rows, every output mode and both GLU activations. `blas_ws` small forces row chunks.
-void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 20) {
+void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 20, int64_t k_parts = 1) {
   const bool glu = c.act.has_value();
   const int64_t cols = glu ? c.N / 2 : c.N;
   std::vector<float> w = Randn(c.N * c.K, 1, 1.0f / std::sqrt(float(c.K))), x = Randn(c.M * c.K, 2);
@@ -95,7 +95,7 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   DeviceBuffer<uint16_t> dw(wb), dx(xs), dyb(2 * c.M * cols + 4);
   DeviceBuffer<float> dy(y0);
   LinearArgs a;
-  a.N = c.N, a.K = c.K, a.w = dw.bf(), a.glu = glu, a.act = c.act.value_or(GluAct::kSilu);
+  a.N = c.N, a.K = c.K, a.w = dw.bf(), a.glu = glu, a.act = c.act.value_or(GluAct::kSilu), a.k_parts = k_parts;
   a.x = Split{dx.bf(), c.K, c.split ? c.M * c.K : 0};
   const bool f32 = c.out == LinearOut::kF32 || c.out == LinearOut::kF32Add;
   a.y = f32 ? static_cast<void*>(dy.get()) : static_cast<void*>(dyb.get());
@@ -119,7 +119,7 @@ void CheckLinear(const LinearCase& c, bool blas, size_t blas_ws = size_t{64} << 
   }
   const double tol = c.out == LinearOut::kBf16 ? 8e-3 : c.split ? 2e-5 : 2e-5;
   EXPECT_LT(Rel(got, ref), tol) << (blas ? "LinearBlas" : "Linear") << " M " << c.M << " N " << c.N << " K " << c.K
-                                << " act " << (glu ? int(*c.act) : -1);
+                                << " act " << (glu ? int(*c.act) : -1) << " k_parts " << k_parts;
 }
 
 const LinearCase kLinearCases[] = {
@@ -156,9 +156,14 @@ std::vector<float> FirstRowsAlone(const std::vector<uint16_t>& x_all, int64_t M,
 TEST(LinearCuda, BlasMatchesReference) {
   REQUIRE_GPU();
   for (const LinearCase& c : kLinearCases) CheckLinear(c, true);
+  for (const int64_t parts : {2, 3, 0})  // K in slices, the fold adding them (and applying the GLU)
+    for (const LinearCase& c : kLinearCases)
+      if (parts == 0 || (c.K % parts == 0 && c.K / parts % 16 == 0)) CheckLinear(c, true, size_t{64} << 20, parts);
   // A workspace of a few rows: the rows run in chunks.
   CheckLinear({130, 256, 384, true, LinearOut::kF32Add}, true, LinearBlas::WorkspaceBytes(7, 256, 384));
   CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, GluAct::kSilu}, true, LinearBlas::WorkspaceBytes(3, 192, 256));
+  CheckLinear({45, 2 * 96, 256, true, LinearOut::kSplit, GluAct::kSilu}, true,
+              LinearBlas::WorkspaceBytes(3, 192, 256, 2), 2);
 }
 
 // RunUnfolded leaves the sums the fold reads: hi row + lo row is the folded kF32 output bit for bit (split x), the
@@ -302,7 +307,8 @@ TEST(LinearCuda, BlasKPartsAddUpInOrder) {
   }
   a.K = K;
   a.k_parts = 2, a.glu = true;
-  EXPECT_EQ(lb.Run(a, nullptr), cudaErrorInvalidValue) << "a GLU in parts";
+  Sums sums;
+  EXPECT_EQ(lb.RunUnfolded(a, nullptr, &sums), cudaErrorInvalidValue) << "a GLU's sums";
   a.glu = false, a.groups = 2, a.x_group_stride = 0;
   EXPECT_EQ(lb.Run(a, nullptr), cudaErrorInvalidValue) << "groups in parts";
   Sums many{dy.get(), N, 0, kMaxSumParts + 1, N};
