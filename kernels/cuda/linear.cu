@@ -594,8 +594,9 @@ struct LinearBlas::State {
   }
 
   // k_parts = 0: the fastest slice count for (N, K), each count with its fastest algorithm, timed for kRefRows
-  // stacked rows at the first use; more slices only when 5% faster (their consumers read more sums); 1 when
-  // nothing can be timed (a graph capture, K3SERVE_BLAS_TUNE=0).
+  // stacked rows at the first use; more slices only when 5% and 1 µs faster (their consumers read more sums, and
+  // a small product's timings are noise: a choice that flipped with them would flip its model's rounding from one
+  // process to the next); 1 when nothing can be timed (a graph capture, K3SERVE_BLAS_TUNE=0).
   cudaError_t AutoParts(const LinearArgs& a, cudaStream_t stream, int64_t* parts) {
     static const int64_t forced = [] {
       const char* e = std::getenv("K3SERVE_BLAS_PARTS");
@@ -618,7 +619,8 @@ struct LinearBlas::State {
           const Choice* c = nullptr;
           K3_CUDA_TRY(Chosen(Shape::Of(a, a.K, p), a.w, stream, &c));
           if (p == 1) whole_us = c->us;
-          if (c->us > 0.0f && (best_us == 0.0f || c->us < 0.95f * best_us)) best = p, best_us = c->us;
+          if (c->us > 0.0f && (best_us == 0.0f || c->us < std::min(0.95f * best_us, best_us - 1.0f)))
+            best = p, best_us = c->us;
         }
         if (TuneMode() == "verbose")
           std::fprintf(stderr, "LinearBlas: N %ld K %ld: K in %ld slices, %.1f us (whole K %.1f us)\n",
