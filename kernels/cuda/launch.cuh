@@ -5,9 +5,10 @@
 // visible: the launch latency hides behind the previous kernel's work. Stream order and CUDA graph capture
 // (programmatic edges) are kept.
 //
-// The contract: a kernel launched with LaunchKernel() calls PdlEnter() before its first global memory access,
-// or PdlTrigger() and its own finer wait on flags that the kernel before it sets (it may only read what the
-// kernels before that one wrote: those finished before the previous kernel passed its PdlEnter()).
+// The contract: a kernel launched with LaunchKernel() calls PdlEnter() before its first global memory access
+// (reads of the model's weights, which no kernel writes, may come first), or PdlTrigger() and its own finer wait on
+// flags that the kernel before it sets (it may only read what the kernels before that one wrote: those finished
+// before the previous kernel passed its PdlEnter()).
 // Kernels launched otherwise (cuBLAS, memsets) wait for full completion as usual; PdlEnter() in a kernel
 // that was not launched with the attribute returns at once.
 //
