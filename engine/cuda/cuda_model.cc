@@ -776,7 +776,7 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
     LinearArgs tail;  // the fold's output: columns 3·HD.. of win
     tail.N = w.in_rows - 3 * HD, tail.M = N, tail.out = LinearOut::kSplit;
     tail.y = win.p + 3 * HD, tail.ldy = win.ld, tail.y_lo = win.lo;
-    K3_CUDA_OK(LinearBlas::Fold(tail, Sums{in_sums.p + 3 * HD, in_sums.ld, in_sums.lo_rows}, side));
+    K3_CUDA_OK(LinearBlas::Fold(tail, in_sums.Cols(3 * HD), side));
   }
   if (!fused_gates || np > 0) K3_CUDA_OK(Lin(w.f_b, HD, D, win.Cols(3 * HD), N, graw, HD, raw, 0, On::kSide));
   if (w.b) K3_CUDA_OK(Lin(w.b, H, d, a, N, bbuf, H, raw, 0, On::kSide));
@@ -827,8 +827,7 @@ absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_
     }
     phase.emplace(*this, "kda.out");
     if (fused_gates) {
-      const Sums gate_sums{gates.p + HD, gates.ld, gates.lo_rows};
-      K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gate_sums, H, w.o_norm, c.rms_norm_eps,
+      K3_CUDA_OK(GatedRmsNorm(N * H, D, static_cast<const bf16*>(obuf), gates.Cols(HD), H, w.o_norm, c.rms_norm_eps,
                               Split{onorm.p, D, onorm.lo}, stream));
     } else {
       K3_CUDA_OK(Join());
@@ -899,9 +898,7 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   RouterArgs ra;
   ra.N = N, ra.num_experts = E, ra.top_k = k, ra.num_groups = c.num_expert_group, ra.topk_groups = c.topk_group;
   ra.renormalize = c.moe_renormalize, ra.scale = c.routed_scaling_factor;
-  ra.logits = logits.p, ra.ldl = logits.ld, ra.logits_lo_rows = logits.lo_rows;
-  ra.logits_parts = logits.parts, ra.logits_part_stride = logits.part_stride;
-  ra.bias = w.bias, ra.idx = idx, ra.w = wts;
+  ra.logits = logits, ra.bias = w.bias, ra.idx = idx, ra.w = wts;
   K3_CUDA_OK(RouteTopK(ra, stream));
   // The shared experts read m too: on the side stream, beside the routed experts; added after them (their down
   // product's sums, unfolded when x's adds are deferred). Forked here rather than from the norm: in a graph, the

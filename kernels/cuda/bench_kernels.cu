@@ -281,7 +281,7 @@ void BenchRouter(int iters, std::vector<MoeResult>& results) {
     CHECK(cudaMemset(hist, 0, bins * E * sizeof(int32_t)));
     k3::cuda::RouterArgs a;
     a.N = N, a.num_experts = E, a.top_k = k, a.renormalize = true, a.scale = 2.5f;
-    a.logits = logits, a.bias = bias, a.idx = idx, a.w = w;
+    a.logits = k3::cuda::Sums{logits, E}, a.bias = bias, a.idx = idx, a.w = w;
     const std::string anchor = "router_n" + std::to_string(N);
     results.push_back({anchor, anchor, MedianMs([&] { CHECK(k3::cuda::RouteTopK(a, nullptr)); }, iters * 5),
                        4.0 * N * E, 0.0});

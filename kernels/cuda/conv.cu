@@ -85,13 +85,8 @@ __global__ __launch_bounds__(kThreads, 3) void ConvKernel8(KdaConvArgs a) {
     for (int j = 0; j < K; ++j) {
       const int src = t - S + j;
       if (src >= start && a.x_sums.p) {
-        const float* ph = a.x_sums.p + int64_t{src} * a.x_sums.ld + c0;
-        const float* pl = ph + a.x_sums.lo_rows * a.x_sums.ld;
-        const float4 h0 = reinterpret_cast<const float4*>(ph)[0], h1 = reinterpret_cast<const float4*>(ph)[1];
-        float4 l0 = {0.0f, 0.0f, 0.0f, 0.0f}, l1 = l0;
-        if (a.x_sums.lo_rows) l0 = reinterpret_cast<const float4*>(pl)[0], l1 = reinterpret_cast<const float4*>(pl)[1];
-        const float v[8] = {h0.x + l0.x, h0.y + l0.y, h0.z + l0.z, h0.w + l0.w,
-                            h1.x + l1.x, h1.y + l1.y, h1.z + l1.z, h1.w + l1.w};
+        const float4 s0 = a.x_sums.Part4(0, src, c0), s1 = a.x_sums.Part4(0, src, c0 + 4);
+        const float v[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
 #pragma unroll
         for (int q = 0; q < 8; ++q) in[j][q] = RoundSplit(v[q]);
       } else if (src >= start) {

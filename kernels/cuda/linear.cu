@@ -294,29 +294,20 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
                    reinterpret_cast<uintptr_t>(C) % 16 == 0;
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && a.y_group_stride % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
+  const Sums sums{C, ldc, lo_rows, parts, part_stride};
   for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
-    const float* c = C + i * ldc;
     float g[kFoldCols], u[kFoldCols];
-    auto load_part = [&](const float* c, int64_t j, float (&v)[kFoldCols]) {
-      if (vec) {
-        const float4 h = *reinterpret_cast<const float4*>(c + j);
-        v[0] = h.x, v[1] = h.y, v[2] = h.z, v[3] = h.w;
-        if (lo_rows) {
-          const float4 l = *reinterpret_cast<const float4*>(c + lo_rows * ldc + j);
-          v[0] += l.x, v[1] += l.y, v[2] += l.z, v[3] += l.w;
-        }
-      } else {
-        for (int q = 0; q < kFoldCols; ++q)
-          v[q] = col0 + q < cols ? c[j + q] + (lo_rows ? c[lo_rows * ldc + j + q] : 0.0f) : 0.0f;
+    auto load = [&](int64_t j, float (&v)[kFoldCols]) {  // the parts added in order, as Sums::At adds them
+      if (!vec) {
+        for (int q = 0; q < kFoldCols; ++q) v[q] = col0 + q < cols ? sums.At(i, j + q) : 0.0f;
+        return;
       }
-    };
-    auto load = [&](int64_t j, float (&v)[kFoldCols]) {
-      load_part(c, j, v);
+      float4 s = sums.Part4(0, i, j);
       for (int64_t k = 1; k < parts; ++k) {
-        float t[kFoldCols];
-        load_part(c + k * part_stride, j, t);
-        for (int q = 0; q < kFoldCols; ++q) v[q] += t[q];
+        const float4 t = sums.Part4(k, i, j);
+        s.x += t.x, s.y += t.y, s.z += t.z, s.w += t.w;
       }
+      v[0] = s.x, v[1] = s.y, v[2] = s.z, v[3] = s.w;
     };
     load(col0, g);
     if (glu) {

@@ -27,6 +27,7 @@
 #include <memory>
 
 #include "kernels/cuda/glu.cuh"
+#include "kernels/cuda/split.cuh"
 
 namespace k3::cuda {
 
@@ -40,12 +41,9 @@ struct RouterArgs {
   int64_t topk_groups = 1;  // topk_group
   bool renormalize = false;
   float scale = 1.0f;
-  const float* logits = nullptr;  // [N, E] fp32 (the gate GEMM's output), row n at logits + n·ldl
-  int64_t ldl = 0;                 // 0: E
-  // > 0: the gate product's unfolded sums (LinearBlas::RunUnfolded): row n is the sum of rows n and n + lo_rows;
-  // of logits_parts such pairs (K slices, Sums::parts) part_stride floats apart, added in order.
-  int64_t logits_lo_rows = 0;
-  int64_t logits_parts = 1, logits_part_stride = 0;
+  // [N, E] fp32, row n token n's: the gate GEMM's output (Sums{p, ld ≥ E}) or the gate product's unfolded sums
+  // (LinearBlas::RunUnfolded: hi and lo rows, K slices), added as Sums::At adds them.
+  Sums logits;
   const float* bias = nullptr;    // [E] e_score_correction_bias, or null
   int32_t* idx = nullptr;         // [N, k], descending s'
   float* w = nullptr;             // [N, k]

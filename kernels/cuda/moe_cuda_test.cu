@@ -41,8 +41,9 @@ void CheckRouter(RouterArgs a, std::vector<float> logits, const std::vector<floa
                  int64_t parts = 0) {
   const int64_t N = a.N, E = a.num_experts, k = a.top_k;
   std::vector<float> dev = logits;
+  int64_t ld = E, lo_rows = 0, stride = 0;
   if (parts > 0) {
-    const int64_t ld = E + 5, stride = 2 * N * ld + 3;
+    ld = E + 5, lo_rows = N, stride = 2 * N * ld + 3;
     dev.assign(parts * stride, NAN);
     for (int64_t p = 0; p < parts; ++p) {
       const auto hi = Random(N * E, 98 + 2 * p, 0.3f), lo = Random(N * E, 99 + 2 * p, 1e-3f);
@@ -54,11 +55,11 @@ void CheckRouter(RouterArgs a, std::vector<float> logits, const std::vector<floa
           logits[n * E + e] = p == 0 ? part : logits[n * E + e] + part;
         }
     }
-    a.ldl = ld, a.logits_lo_rows = N, a.logits_parts = parts, a.logits_part_stride = stride;
   }
   DeviceBuffer<float> d_logits(dev), d_bias(bias), d_w(N * k);
   DeviceBuffer<int32_t> d_idx(N * k), d_hist(std::max<int64_t>(bins, 1) * E);
-  a.logits = d_logits.get(), a.bias = bias.empty() ? nullptr : d_bias.get(), a.idx = d_idx.get(), a.w = d_w.get();
+  a.logits = Sums{d_logits.get(), ld, lo_rows, std::max<int64_t>(parts, 1), stride};
+  a.bias = bias.empty() ? nullptr : d_bias.get(), a.idx = d_idx.get(), a.w = d_w.get();
   const cpu::QbHistParams qb{bins, -0.5f, 1.0f};
   if (bins > 0) {
     CUDA_OK(cudaMemset(d_hist.get(), 0, bins * E * sizeof(int32_t)));
@@ -161,11 +162,11 @@ TEST(RouteTopKCuda, RejectsBadShapes) {
   DeviceBuffer<float> buf(64);
   DeviceBuffer<int32_t> idx(64);
   RouterArgs a = Router(1, 64, 33, 1, 1, true, 1.0f);  // k > 32
-  a.logits = buf.get(), a.idx = idx.get(), a.w = buf.get();
+  a.logits = Sums{buf.get(), 64}, a.idx = idx.get(), a.w = buf.get();
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
-  a.top_k = 4, a.ldl = 63;  // rows narrower than E
+  a.top_k = 4, a.logits.ld = 63;  // rows narrower than E
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
-  a.ldl = 0, a.num_groups = 6;  // 6 does not divide 64
+  a.logits.ld = 64, a.num_groups = 6;  // 6 does not divide 64
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);
   a.num_groups = 8, a.topk_groups = 1, a.top_k = 8, a.qb_hist = idx.get(), a.qb_bins = 4, a.qb_rmax = 1.0f;
   EXPECT_EQ(RouteTopK(a, nullptr), cudaErrorInvalidValue);  // one group of 8 has no (k+1)-th expert

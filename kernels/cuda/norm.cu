@@ -49,14 +49,10 @@ __device__ __forceinline__ float4 Add4(float4 a, float4 b) { return {a.x + b.x, 
 // ≥ a.parts at compile time, so that every load is issued before the first add.
 template <int kParts>
 __device__ __forceinline__ float4 Sum4(const Sums& a, int64_t r, int64_t c4) {
-  auto part = [&](int64_t k) {
-    const float4* q = reinterpret_cast<const float4*>(a.p + k * a.part_stride + r * a.ld) + c4;
-    return a.lo_rows != 0 ? Add4(q[0], q[a.lo_rows * a.ld / 4]) : q[0];
-  };
-  float4 v = part(0);
+  float4 v = a.Part4(0, r, 4 * c4);
 #pragma unroll
   for (int k = 1; k < kParts; ++k)
-    if (k < a.parts) v = Add4(v, part(k));
+    if (k < a.parts) v = Add4(v, a.Part4(k, r, 4 * c4));
   return v;
 }
 

@@ -115,7 +115,7 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
   if (n >= a.N) return;  // the whole warp
   const int E = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
   const int G = static_cast<int>(a.num_groups), per_group = E / G;
-  const Sums logits{a.logits, a.ldl ? a.ldl : E, a.logits_lo_rows, a.logits_parts, a.logits_part_stride};
+  const Sums& logits = a.logits;
 
   float x[V];
 #pragma unroll
@@ -192,7 +192,7 @@ __global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArg
   const int64_t n = blockIdx.x;
   const int E = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
   const int steps = k + (a.qb_hist ? 1 : 0);
-  const Sums logits{a.logits, a.ldl ? a.ldl : E, a.logits_lo_rows, a.logits_parts, a.logits_part_stride};
+  const Sums& logits = a.logits;
 
   float sb[V];  // s' = float(s) + bias
   uint64_t key[V];
@@ -261,8 +261,8 @@ cudaError_t RouteTopK(const RouterArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (a.qb_hist && (a.qb_bins < 1 || !(a.qb_rmax > a.qb_rmin))) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
-  if (!a.logits || !a.idx || !a.w || (a.N + kRouterWarps - 1) / kRouterWarps > 0x7fffffff ||
-      (a.ldl != 0 && a.ldl < E) || a.logits_lo_rows < 0 || a.logits_parts < 1 || a.logits_parts > kMaxSumParts)
+  if (!a.logits.p || !a.idx || !a.w || (a.N + kRouterWarps - 1) / kRouterWarps > 0x7fffffff || a.logits.ld < E ||
+      a.logits.lo_rows < 0 || a.logits.parts < 1 || a.logits.parts > kMaxSumParts)
     return cudaErrorInvalidValue;
   // The same float expression as the CPU reference.
   const float qb_scale = a.qb_hist ? static_cast<float>(a.qb_bins) / (a.qb_rmax - a.qb_rmin) : 0.0f;

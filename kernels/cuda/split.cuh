@@ -33,6 +33,8 @@ struct Sums {
   const float* p = nullptr;
   int64_t ld = 0, lo_rows = 0;
   int64_t parts = 1, part_stride = 0;
+
+  Sums Cols(int64_t c) const { return {p + c, ld, lo_rows, parts, part_stride}; }
 #ifdef __CUDACC__
   __device__ __forceinline__ float Part(int64_t k, int64_t r, int64_t c) const {
     const float* q = p + k * part_stride + r * ld + c;
@@ -42,6 +44,14 @@ struct Sums {
     float v = Part(0, r, c);
     for (int64_t k = 1; k < parts; ++k) v += Part(k, r, c);
     return v;
+  }
+  // Part of columns c .. c + 3 in one 16-byte load a row (p, ld, part_stride and c multiples of 4 floats).
+  __device__ __forceinline__ float4 Part4(int64_t k, int64_t r, int64_t c) const {
+    const float4* q = reinterpret_cast<const float4*>(p + k * part_stride + r * ld + c);
+    const float4 h = q[0];
+    if (lo_rows == 0) return h;
+    const float4 l = q[lo_rows * ld / 4];
+    return {h.x + l.x, h.y + l.y, h.z + l.z, h.w + l.w};
   }
 #endif
 };
