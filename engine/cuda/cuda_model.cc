@@ -249,6 +249,7 @@ struct CudaModel::Impl {
   absl::Status Mla(int64_t l, int64_t N, int64_t nd, const std::vector<int64_t>& pre_start,
                    const std::vector<int64_t>& pre_len, const std::vector<int64_t>& pre_pos,
                    const std::vector<int32_t>& pre_slot, const int32_t* const* m);
+  absl::Status MlaOut(const MlaW& w, int64_t N, Split o);
   absl::Status Moe(int64_t l, int64_t N);
   enum class On { kMain, kSide };
   // hid = act(gate_up · in): the GLU's first product; the caller's down product reads hid.
@@ -858,7 +859,19 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
   const int64_t d = c.hidden_size, ov = s.nh * s.dv, max_ctx = opt.max_context;
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.dqk()));
   std::optional<Phase> phase(std::in_place, *this, "mla.proj");
-  K3_CUDA_OK(LinSplit(w.in, w.in_rows, d, a, N, win));
+  const Split o{onorm.p, ov, onorm.lo};
+  // A decode-only batch without the query's low rank: the decode reads the input product's sums, the fold, the
+  // cache append and the query's split in one pass (the same bits as the path below).
+  const LinearArgs in = Args(w.in, w.in_rows, d, a, N, win.p, win.ld, LinearOut::kSplit, win.lo);
+  if (nd == N && c.q_lora_rank == 0 && MlaDecodeSupported(s) && blas.Unfoldable(in)) {
+    Sums in_sums;
+    K3_CUDA_OK(blas.RunUnfolded(in, stream, &in_sums));
+    phase.emplace(*this, "mla.attn");
+    K3_CUDA_OK(MlaDecodeSums(nd, s, in_sums, w.kv_a_norm, kLoraNormEps, mla_cache[l], max_ctx, md[kTokSlot],
+                             md[kTokPos], w.kv_b, w.ukt, scale, o, mla_decode_ws, blas, stream));
+    return MlaOut(w, N, o);
+  }
+  K3_CUDA_OK(Blas(in));
   Split q = win, latent = win.Cols(s.nh * s.dqk());
   if (c.q_lora_rank > 0) {
     K3_CUDA_OK(RmsNorm(N, c.q_lora_rank, win, w.q_a_norm, kLoraNormEps, qan, stream));
@@ -868,7 +881,6 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
   phase.emplace(*this, "mla.attn");
   K3_CUDA_OK(MlaCacheAppend(N, s, latent, w.kv_a_norm, kLoraNormEps, md[kTokSlot], md[kTokPos], mla_cache[l], max_ctx,
                             stream));
-  const Split o{onorm.p, ov, onorm.lo};
   if (nd > 0)
     K3_CUDA_OK(MlaDecode(nd, s, q, mla_cache[l], max_ctx, md[kTokSlot], md[kTokPos], w.kv_b, w.ukt, scale, o,
                          mla_decode_ws, blas, stream));
@@ -878,7 +890,13 @@ absl::Status CudaModel::Impl::Mla(int64_t l, int64_t N, int64_t nd, const std::v
     K3_CUDA_OK(MlaPrefill(s, T, P, q.Rows(pre_start[i]), mla_cache[l] + pre_slot[i] * max_ctx * s.cw(), w.kv_b, scale,
                           o.Rows(pre_start[i]), Tq, scratch, stream));
   }
-  phase.emplace(*this, "mla.out");
+  return MlaOut(w, N, o);
+}
+
+// The MLA layer's output: the gate (K3), then the product into the residual.
+absl::Status CudaModel::Impl::MlaOut(const MlaW& w, int64_t N, Split o) {
+  const int64_t d = c.hidden_size, ov = c.mla_heads * c.v_head_dim;
+  Phase phase(*this, "mla.out");
   if (w.g) {
     K3_CUDA_OK(Lin(w.g, ov, d, a, N, gate, ov, LinearOut::kF32));
     K3_CUDA_OK(MulSigmoid(N, ov, o, gate, stream));

@@ -64,8 +64,6 @@ struct TileShape {
   static constexpr int kThreads = 32 * kWarps, kRows = 16 * kWarps;
   static constexpr int kStageElems = (kRows + kTokens) * kBK;
   static constexpr int kSmem = kStages * kStageElems * static_cast<int>(sizeof(bf16));
-  static constexpr int kOutLd = kTokens + 1;  // fp32 epilogue tile [kRows][kOutLd]
-  static_assert(kRows * kOutLd * 4 <= kSmem, "the epilogue tile reuses the ring");
   static_assert(kTokens % 16 == 0 && ((kTokens * 8) % kThreads == 0 || kTokens * 8 < kThreads), "token tile");
 };
 
@@ -216,6 +214,10 @@ struct TileArgs {
 // eight rows at one logical chunk hit eight different bank groups.
 __device__ __forceinline__ int Swz(int row, int c) { return row * kBK + ((c ^ (row & 7)) << 3); }
 
+// Gate/up CTA row r: rows 0–7 of each warp's 16 are W1's rows of eight features, rows 8–15 W3's rows of the same
+// features, so that one thread's accumulators hold a feature's gate and up values (the GLU in registers).
+__device__ __forceinline__ int GluFeature(int r) { return 8 * (r / 16) + r % 8; }
+
 // Gate/up (kGlu) then down, back to back. The down CTAs of a token tile start as soon as that tile's gate/up
 // CTAs are done (a counter per tile) rather than when all are: the down kernel, launched early (PDL), fills the
 // SMs that the gate/up kernel's last wave leaves idle.
@@ -233,7 +235,7 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     __syncthreads();
   }
   constexpr int kRows = S::kRows, kTokens = S::kTokens, kStages = S::kStages, kThreads = S::kThreads;
-  constexpr int kStageElems = S::kStageElems, kOutLd = S::kOutLd;
+  constexpr int kStageElems = S::kStageElems;
   // 16-byte token chunks per thread and stage (a 16-row token tile: the first half of the threads, one each)
   constexpr int kXCopies = (kTokens * 8 + kThreads - 1) / kThreads;
   if (static_cast<int>(blockIdx.y) >= *a.num_tiles) return;
@@ -265,9 +267,9 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = tid / 8 + kThreads / 8 * i;
-    const int f = f0 + (kGlu ? r % kFeatures : r);
+    const int f = f0 + (kGlu ? GluFeature(r) : r);
     wvalid[i] = f < M;
-    wrow[i] = (kGlu && r >= kFeatures ? wb : wa) + static_cast<int64_t>(wvalid[i] ? f : 0) * K;
+    wrow[i] = (kGlu && r % 16 >= 8 ? wb : wa) + static_cast<int64_t>(wvalid[i] ? f : 0) * K;
   }
 #pragma unroll
   for (int i = 0; i < kXCopies; ++i) {
@@ -330,32 +332,36 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
       }
     }
   }
-  ptx::CpAsyncWaitAll();
-  __syncthreads();
-
-  // Accumulators (weight row, token) → fp32 tile, then out with the token's features contiguous.
-  float* so = reinterpret_cast<float*>(smem_raw);
+  // The epilogue from the registers (no pass through shared memory): thread (gid, tig) holds rows gid and gid + 8
+  // of its warp's 16 at tokens 8j + 2·tig + {0, 1} of n-tile j — for gate/up the same feature's W1 and W3 rows.
+  // A split src's lo token of n-tile j is in n-tile j + half / 8. Every copy the loop waited for has landed; the
+  // groups still open are empty.
   {
-    const int gid = lane >> 2, tig = lane & 3, r = warp * 16 + gid;
+    const int gid = lane >> 2, tig = lane & 3;
+    constexpr int kTiles = kTokens / 8, kLoTiles = half / 8;
+    auto store = [&](int t, int f, float v) {
+      if (t >= nt || f >= M) return;
+      bf16* d = a.dst + static_cast<int64_t>(s0 + t) * M + f;
+      const bf16 hi = __float2bfloat16(v);
+      d[0] = hi;
+      if (a.dst_lo) d[a.dst_lo] = __float2bfloat16(v - __bfloat162float(hi));
+    };
 #pragma unroll
-    for (int j = 0; j < kTokens / 8; ++j) {
-      const int c = 8 * j + 2 * tig;
-      so[r * kOutLd + c] = acc[j][0];
-      so[r * kOutLd + c + 1] = acc[j][1];
-      so[(r + 8) * kOutLd + c] = acc[j][2];
-      so[(r + 8) * kOutLd + c + 1] = acc[j][3];
+    for (int j = 0; j < kTiles; ++j) {
+      if (split && j >= kLoTiles) break;
+      // x·W = hi·W + lo·W, added before the activation
+      auto dot = [&](int c) { return acc[j][c] + (split ? acc[(j + kLoTiles) % kTiles][c] : 0.0f); };
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + 2 * tig + e;
+        if (kGlu) {
+          store(t, f0 + 8 * warp + gid, Glu(a.act, dot(e), dot(2 + e), a.beta1, a.beta2));
+        } else {
+          store(t, f0 + 16 * warp + gid, dot(e));
+          store(t, f0 + 16 * warp + gid + 8, dot(2 + e));
+        }
+      }
     }
-  }
-  __syncthreads();
-  for (int i = tid; i < nt * kFeatures; i += kThreads) {
-    const int f = i % kFeatures, t = i / kFeatures;
-    if (f0 + f >= M) continue;
-    auto dot = [&](int row) { return so[row * kOutLd + t] + (split ? so[row * kOutLd + t + half] : 0.0f); };
-    const float v = kGlu ? Glu(a.act, dot(f), dot(f + kFeatures), a.beta1, a.beta2) : dot(f);
-    bf16* d = a.dst + static_cast<int64_t>(s0 + t) * M + f0 + f;
-    const bf16 hi = __float2bfloat16(v);
-    d[0] = hi;
-    if (a.dst_lo) d[a.dst_lo] = __float2bfloat16(v - __bfloat162float(hi));
   }
   if (kGlu) {  // this tile's h columns are out
     __threadfence();

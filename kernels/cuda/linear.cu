@@ -278,7 +278,8 @@ constexpr int kFoldThreads = 256;
 
 // y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none); group g's C is
 // c_group_stride further; K slices' sums (parts) part_stride apart, added in order as Sums::At adds them. A thread
-// takes four columns (16-byte loads of C when the columns allow). Grid: (column blocks, row stride, groups).
+// takes four columns (16-byte loads of C when the columns allow). Block: (columns, rows) threads; grid: (column
+// blocks, row blocks, groups).
 __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0,
                                                           int64_t rows, int64_t lo_rows, int64_t c_group_stride,
                                                           int64_t parts, int64_t part_stride) {
@@ -287,6 +288,7 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   C += group * c_group_stride;
   const bool glu = a.glu;
   const int64_t cols = glu ? a.N / 2 : a.N, col0 = kFoldCols * (blockIdx.x * int64_t{blockDim.x} + threadIdx.x);
+  const int64_t row_step = int64_t{gridDim.y} * blockDim.y;
   if (col0 >= cols) return;
   // float4 loads need every row, the lo plane and the up half on 16 bytes (LinearBlas's ldc is a multiple of 8;
   // Fold's sums may start anywhere); 4-column stores need y's rows and planes on 16 bytes (fp32) or 8 (bf16).
@@ -295,7 +297,7 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
   const bool store4 = a.ldy % 4 == 0 && a.y_lo % 4 == 0 && a.y_group_stride % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   const Sums sums{C, ldc, lo_rows, parts, part_stride};
-  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
+  for (int64_t i = blockIdx.y * int64_t{blockDim.y} + threadIdx.y; i < rows; i += row_step) {
     float g[kFoldCols], u[kFoldCols];
     auto load = [&](int64_t j, float (&v)[kFoldCols]) {  // the parts added in order, as Sums::At adds them
       if (!vec) {
@@ -322,6 +324,22 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
         if (col0 + q < cols) Store(a, group, r0 + i, col0 + q, g[q]);
     }
   }
+}
+
+// A block of kFoldThreads over (columns, rows): as many threads across as a row's columns need (a warp at least),
+// the rest over rows. A block a row left most of its threads idle on narrow products (MLA's per-head ones: 128 or
+// 512 columns in 32 groups of 64 rows made 2048 blocks of 256 threads for 32 or 128 columns each).
+cudaError_t LaunchFold(const LinearArgs& a, const float* C, int64_t ldc, int64_t r0, int64_t rows, int64_t lo_rows,
+                       int64_t c_group_stride, int64_t parts, int64_t part_stride, cudaStream_t stream) {
+  const int64_t cols = a.glu ? a.N / 2 : a.N, threads_x = (cols + kFoldCols - 1) / kFoldCols;
+  const int tx = static_cast<int>(std::min<int64_t>(kFoldThreads, (threads_x + 31) / 32 * 32)),
+            ty = static_cast<int>(std::min<int64_t>(kFoldThreads / tx, rows));
+  const dim3 block(tx, ty);
+  const dim3 grid(static_cast<unsigned>((threads_x + tx - 1) / tx),
+                  static_cast<unsigned>(std::min<int64_t>((rows + ty - 1) / ty, 65535)), static_cast<unsigned>(a.groups));
+  K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, block, 0, stream, a, C, ldc, r0, rows, lo_rows, c_group_stride, parts,
+                           part_stride));
+  return cudaGetLastError();
 }
 
 cudaError_t Lt(cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
@@ -662,12 +680,7 @@ cudaError_t LinearBlas::Fold(const LinearArgs& a, Sums s, cudaStream_t stream) {
       s.parts < 1 || s.parts > kMaxSumParts || (a.out == LinearOut::kSplit && a.y_lo == 0))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  const int64_t per_block = kFoldThreads * kFoldCols;
-  const dim3 grid(static_cast<unsigned>((a.N + per_block - 1) / per_block),
-                  static_cast<unsigned>(std::min<int64_t>(a.M, 65535)), 1);
-  K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, s.p, s.ld, int64_t{0}, a.M, s.lo_rows,
-                           int64_t{0}, s.parts, s.part_stride));
-  return cudaGetLastError();
+  return LaunchFold(a, s.p, s.ld, 0, a.M, s.lo_rows, 0, s.parts, s.part_stride, stream);
 }
 
 cudaError_t LinearBlas::RunUnfolded(const LinearArgs& a, cudaStream_t stream, Sums* y) {
@@ -717,12 +730,7 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
       *unfolded = Sums{C, ldc, split ? rows : 0, parts, n * ldc};
       return cudaSuccess;
     }
-    const int64_t cols = a.glu ? a.N / 2 : a.N, per_block = kFoldThreads * kFoldCols;
-    const dim3 grid(static_cast<unsigned>((cols + per_block - 1) / per_block),
-                    static_cast<unsigned>(std::min<int64_t>(rows, 65535)), static_cast<unsigned>(a.groups));
-    K3_CUDA_TRY(LaunchKernel(FoldKernel, grid, kFoldThreads, 0, stream, a, C, ldc, r0, rows, split ? rows : 0,
-                             n * ldc, parts, n * ldc));
-    K3_CUDA_TRY(cudaGetLastError());
+    K3_CUDA_TRY(LaunchFold(a, C, ldc, r0, rows, split ? rows : 0, n * ldc, parts, n * ldc, stream));
   }
   return cudaSuccess;
 }

@@ -74,6 +74,43 @@ __global__ void SplitQueryKernel(int64_t N, MlaDims s, Split q, Split qa, Split 
   dst[dst_lo] = src[q.lo];
 }
 
+// MlaDecodeSums's first pass, from the input product's unfolded sums x (row n: [q | c_kv | k_r]), each value split
+// as the fold would store it (RoundSplit is what the readers of the fold's split get): block (n, 0) appends token
+// n's cache row as AppendKernel does; blocks (n, 1..) take kThreads query columns each, as SplitQueryKernel does.
+__global__ __launch_bounds__(kThreads) void PrepKernel(MlaDims s, Sums x, const float* norm_w, float eps,
+                                                        const int32_t* tok_slot, const int32_t* tok_pos,
+                                                        __nv_bfloat16* cache, int64_t max_ctx, Split qa, Split qn) {
+  PdlEnter();
+  const int64_t n = blockIdx.x, qw = s.nh * s.dqk();
+  if (blockIdx.y == 0) {
+    Sums c = x;  // [c_kv | k_r]
+    c.p += qw;
+    __shared__ float part[kThreads / 32];
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < s.r; i += kThreads) {
+      const float v = RoundSplit(c.At(n, i));
+      ss += v * v;
+    }
+    ss = WarpSum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) ss += part[w];
+    const float rinv = rsqrtf(ss / static_cast<float>(s.r) + eps);
+    __nv_bfloat16* dst = cache + (int64_t{tok_slot[n]} * max_ctx + tok_pos[n]) * s.cw();
+    for (int64_t i = threadIdx.x; i < s.cw(); i += kThreads) {
+      const float v = RoundSplit(c.At(n, i));
+      dst[i] = __float2bfloat16_rn(i < s.r ? norm_w[i] * (v * rinv) : v);
+    }
+    return;
+  }
+  const int64_t i = (blockIdx.y - 1) * int64_t{kThreads} + threadIdx.x;
+  if (i >= qw) return;
+  const int64_t h = i / s.dqk(), d = i % s.dqk();
+  __nv_bfloat16* dst = d < s.dn ? qn.p + n * qn.ld + h * s.dn + d : qa.p + (n * s.nh + h) * s.cw() + s.r + d - s.dn;
+  StoreSplit(dst, d < s.dn ? qn.lo : qa.lo, x.At(n, i));
+}
+
 // Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 32 heads (two 16-row MMA blocks,
 // the MMA's M; heads past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass
 // combines the runs. The split is a function of the token's own length only, so a token's result does not depend
@@ -437,32 +474,39 @@ size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N) {
          Round256(2 * N * s.nh * s.dn * sizeof(__nv_bfloat16));
 }
 
-cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
-                      const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
-                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, LinearBlas& blas,
-                      cudaStream_t stream) {
-  if (!MlaDecodeSupported(s)) return cudaErrorNotSupported;
-  if (N < 0 || !workspace) return cudaErrorInvalidValue;
-  if (N == 0) return cudaSuccess;
-  char* ws = static_cast<char*>(workspace);
-  const Split qa{reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.cw(), N * s.nh * s.cw()};
-  ws += Round256(2 * N * s.nh * s.cw() * sizeof(__nv_bfloat16));
-  __nv_bfloat16* ctx = reinterpret_cast<__nv_bfloat16*>(ws);
-  ws += Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16));
-  float* part_acc = reinterpret_cast<float*>(ws);
-  ws += Round256(N * s.nh * kMaxSplits * s.r * sizeof(float));
-  float2* part_ml = reinterpret_cast<float2*>(ws);
-  ws += Round256(N * s.nh * kMaxSplits * sizeof(float2));
-  const Split qn{reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.dn, N * s.nh * s.dn};
-  const Split ctx_split{ctx, s.nh * s.r, N * s.nh * s.r};
+namespace {
 
+// The decode's buffers in its workspace.
+struct DecodeWorkspace {
+  Split qa;   // the absorbed query [N][nh][cw]: [q_nope·W_UK | q_r], split
+  Split qn;   // q_nope [N, nh·dn], split
+  Split ctx;  // the merged latent context [N, nh·r], split
+  float* part_acc;
+  float2* part_ml;
+  DecodeWorkspace(const MlaDims& s, int64_t N, void* workspace) {
+    char* ws = static_cast<char*>(workspace);
+    qa = {reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.cw(), N * s.nh * s.cw()};
+    ws += Round256(2 * N * s.nh * s.cw() * sizeof(__nv_bfloat16));
+    ctx = {reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.r, N * s.nh * s.r};
+    ws += Round256(2 * N * s.nh * s.r * sizeof(__nv_bfloat16));
+    part_acc = reinterpret_cast<float*>(ws);
+    ws += Round256(N * s.nh * kMaxSplits * s.r * sizeof(float));
+    part_ml = reinterpret_cast<float2*>(ws);
+    ws += Round256(N * s.nh * kMaxSplits * sizeof(float2));
+    qn = {reinterpret_cast<__nv_bfloat16*>(ws), s.nh * s.dn, N * s.nh * s.dn};
+  }
+};
+
+// The decode after the query's split (qn and the rope part of qa written): the absorb product, the attention and
+// its merge, the value product.
+cudaError_t DecodeAbsorbed(int64_t N, const MlaDims& s, const DecodeWorkspace& w, const __nv_bfloat16* cache,
+                           int64_t max_ctx, const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
+                           const __nv_bfloat16* w_ukt, float scale, Split out, LinearBlas& blas, cudaStream_t stream) {
   // qa[:, h, :r] = q_nope[h] · W_UK[h], one group per head.
-  K3_CUDA_TRY(LaunchKernel(SplitQueryKernel, Blocks256(N * s.nh * s.dqk()), 256, 0, stream, N, s, q, qa, qn));
-  K3_CUDA_TRY(cudaGetLastError());
   LinearArgs la;
   la.N = s.r, la.K = s.dn, la.w = w_ukt, la.w_group_stride = s.r * s.dn;
-  la.x = qn, la.x_group_stride = s.dn;
-  la.y = qa.p, la.ldy = qa.ld, la.y_lo = qa.lo, la.y_group_stride = s.cw(), la.out = LinearOut::kSplit;
+  la.x = w.qn, la.x_group_stride = s.dn;
+  la.y = w.qa.p, la.ldy = w.qa.ld, la.y_lo = w.qa.lo, la.y_group_stride = s.cw(), la.out = LinearOut::kSplit;
   la.groups = s.nh, la.M = N;
   K3_CUDA_TRY(blas.Run(la, stream));
 
@@ -471,20 +515,50 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
                                                        static_cast<int>(DecodeLayout(kMaxCw).bytes()));
   K3_CUDA_TRY(attr);
   const dim3 grid(static_cast<unsigned>(N * ((s.nh + kCtaHeads - 1) / kCtaHeads)), static_cast<unsigned>(Splits(max_ctx)));
-  K3_CUDA_TRY(LaunchKernel(DecodeMmaKernel, grid, kDecodeThreads, smem, stream, s, qa, cache, max_ctx, tok_slot, tok_pos,
-                           scale, part_acc, part_ml));
+  K3_CUDA_TRY(LaunchKernel(DecodeMmaKernel, grid, kDecodeThreads, smem, stream, s, w.qa, cache, max_ctx, tok_slot,
+                           tok_pos, scale, w.part_acc, w.part_ml));
   K3_CUDA_TRY(cudaGetLastError());
   K3_CUDA_TRY(LaunchKernel(DecodeMergeKernel, static_cast<unsigned>(N * s.nh), kThreads, 0, stream, s, tok_pos,
-                           part_acc, part_ml, ctx_split));
+                           w.part_acc, w.part_ml, w.ctx));
   K3_CUDA_TRY(cudaGetLastError());
 
   // out[:, h] = ctx[h] · W_UV[h]ᵀ.
   LinearArgs lo;
   lo.N = s.dv, lo.K = s.r, lo.w = kv_b + s.dn * s.r, lo.w_group_stride = s.dkv() * s.r;
-  lo.x = ctx_split, lo.x_group_stride = s.r;
+  lo.x = w.ctx, lo.x_group_stride = s.r;
   lo.y = out.p, lo.ldy = out.ld, lo.y_lo = out.lo, lo.y_group_stride = s.dv, lo.out = LinearOut::kSplit;
   lo.groups = s.nh, lo.M = N;
   return blas.Run(lo, stream);
+}
+
+}  // namespace
+
+cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16* cache, int64_t max_ctx,
+                      const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
+                      const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, LinearBlas& blas,
+                      cudaStream_t stream) {
+  if (!MlaDecodeSupported(s)) return cudaErrorNotSupported;
+  if (N < 0 || !workspace) return cudaErrorInvalidValue;
+  if (N == 0) return cudaSuccess;
+  const DecodeWorkspace w(s, N, workspace);
+  K3_CUDA_TRY(LaunchKernel(SplitQueryKernel, Blocks256(N * s.nh * s.dqk()), 256, 0, stream, N, s, q, w.qa, w.qn));
+  K3_CUDA_TRY(cudaGetLastError());
+  return DecodeAbsorbed(N, s, w, cache, max_ctx, tok_slot, tok_pos, kv_b, w_ukt, scale, out, blas, stream);
+}
+
+cudaError_t MlaDecodeSums(int64_t N, const MlaDims& s, Sums x, const float* norm_w, float eps,
+                          __nv_bfloat16* cache, int64_t max_ctx, const int32_t* tok_slot, const int32_t* tok_pos,
+                          const __nv_bfloat16* kv_b, const __nv_bfloat16* w_ukt, float scale, Split out,
+                          void* workspace, LinearBlas& blas, cudaStream_t stream) {
+  if (!MlaDecodeSupported(s)) return cudaErrorNotSupported;
+  if (N < 0 || !workspace || !x.p || x.ld < s.nh * s.dqk() + s.cw() || !norm_w || !cache) return cudaErrorInvalidValue;
+  if (N == 0) return cudaSuccess;
+  const DecodeWorkspace w(s, N, workspace);
+  const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(1 + (s.nh * s.dqk() + kThreads - 1) / kThreads));
+  K3_CUDA_TRY(LaunchKernel(PrepKernel, grid, kThreads, 0, stream, s, x, norm_w, eps, tok_slot, tok_pos, cache, max_ctx,
+                           w.qa, w.qn));
+  K3_CUDA_TRY(cudaGetLastError());
+  return DecodeAbsorbed(N, s, w, cache, max_ctx, tok_slot, tok_pos, kv_b, w_ukt, scale, out, blas, stream);
 }
 
 size_t MlaPrefillWorkspaceBytes(const MlaDims& s, int64_t L, int64_t Tq) {

@@ -801,6 +801,38 @@ TEST(MlaCuda, PrefillAndDecodeMatchReference) {
                       blas, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     EXPECT_LT(Rel(FromSplit(dod.ToHost(), N * s.nh * s.dv), dref), 2e-3) << "decode nh " << s.nh;
+
+    // MlaDecodeSums: the input product's unfolded sums (hi rows, then lo rows, a padded row stride) in, against
+    // their fold (on the host), MlaCacheAppend and MlaDecode: the same cache rows and output, bit for bit.
+    {
+      const int64_t W = s.nh * s.dqk() + s.cw(), ld = W + 5;
+      const std::vector<float> hs = Randn(N * ld, 60, 2.0f), ls = Randn(N * ld, 61, 0.01f), nw = Randn(s.r, 62);
+      std::vector<float> sums(hs), v(N * W);
+      sums.insert(sums.end(), ls.begin(), ls.end());
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < W; ++c) v[n * W + c] = hs[n * ld + c] + ls[n * ld + c];
+      DeviceBuffer<uint16_t> dfold(ToSplitPlanes(v)), pool_a(pool), pool_b(pool), out_a(2 * N * s.nh * s.dv),
+          out_b(2 * N * s.nh * s.dv);
+      DeviceBuffer<float> dsums(sums), dnw(nw);
+      const Split fold{dfold.bf(), W, N * W};
+      CUDA_OK(MlaCacheAppend(N, s, fold.Cols(s.nh * s.dqk()), dnw.get(), 1e-6f, dslot.get(), dpos.get(), pool_a.bf(),
+                             max_ctx, nullptr));
+      CUDA_OK(MlaDecode(N, s, fold, pool_a.bf(), max_ctx, dslot.get(), dpos.get(), dkv.bf(), dukt.bf(), scale,
+                        Split{out_a.bf(), s.nh * s.dv, N * s.nh * s.dv}, wsd.get(), blas, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> got_a = out_a.ToHost(), cache_a = pool_a.ToHost();
+      CUDA_OK(MlaDecodeSums(N, s, Sums{dsums.get(), ld, N}, dnw.get(), 1e-6f, pool_b.bf(), max_ctx, dslot.get(),
+                            dpos.get(), dkv.bf(), dukt.bf(), scale, Split{out_b.bf(), s.nh * s.dv, N * s.nh * s.dv},
+                            wsd.get(), blas, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(pool_b.ToHost(), cache_a) << "nh " << s.nh << ": the appended cache rows";
+      EXPECT_EQ(out_b.ToHost(), got_a) << "nh " << s.nh << ": the decode's output";
+      EXPECT_EQ(MlaDecodeSums(N, s, Sums{dsums.get(), W - 1, N}, dnw.get(), 1e-6f, pool_b.bf(), max_ctx, dslot.get(),
+                              dpos.get(), dkv.bf(), dukt.bf(), scale, Split{out_b.bf(), s.nh * s.dv, 0}, wsd.get(),
+                              blas, nullptr),
+                cudaErrorInvalidValue)
+          << "rows narrower than [q | c_kv | k_r]";
+    }
     EXPECT_EQ(MlaDecode(0, s, Split{dqd.bf(), s.nh * s.dqk(), 0}, dpool.bf(), max_ctx, dslot.get(), dpos.get(),
                         dkv.bf(), dukt.bf(), scale, Split{dod.bf(), s.nh * s.dv, 0}, wsd.get(), blas, nullptr),
               cudaSuccess);  // an empty batch
