@@ -279,8 +279,8 @@ constexpr int kFoldThreads = 256;
 // y rows [r0, r0 + rows) from C: hi rows at C, lo rows `lo_rows` rows further (0: none); group g's C is
 // c_group_stride further; K slices' sums (parts) part_stride apart, added in order as Sums::At adds them. A thread
 // takes four columns (16-byte loads of C when the columns allow). Block: (columns, rows) threads; grid: (column
-// blocks, row blocks, groups).
-__global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0,
+// blocks, row blocks, groups). At most 48 registers: five blocks an SM.
+__global__ __launch_bounds__(kFoldThreads, 5) void FoldKernel(const LinearArgs a, const float* C, int64_t ldc, int64_t r0,
                                                           int64_t rows, int64_t lo_rows, int64_t c_group_stride,
                                                           int64_t parts, int64_t part_stride) {
   PdlEnter();
@@ -298,22 +298,26 @@ __global__ __launch_bounds__(kFoldThreads) void FoldKernel(const LinearArgs a, c
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   const Sums sums{C, ldc, lo_rows, parts, part_stride};
   for (int64_t i = blockIdx.y * int64_t{blockDim.y} + threadIdx.y; i < rows; i += row_step) {
-    float g[kFoldCols], u[kFoldCols];
-    auto load = [&](int64_t j, float (&v)[kFoldCols]) {  // the parts added in order, as Sums::At adds them
-      if (!vec) {
-        for (int q = 0; q < kFoldCols; ++q) v[q] = col0 + q < cols ? sums.At(i, j + q) : 0.0f;
-        return;
+    // The parts added in order, as Sums::At adds them; the gate's and the up half's loads together. (Sums::At per
+    // column in the scalar path, a loop in a loop, took the kernel to 128 registers: two blocks an SM, and every
+    // fold twice as long.)
+    float g[kFoldCols], u[kFoldCols] = {};
+    for (int64_t k = 0; k < parts; ++k) {
+      float tg[kFoldCols], tu[kFoldCols] = {};
+      if (vec) {
+        const float4 pg = sums.Part4(k, i, col0), pu = glu ? sums.Part4(k, i, col0 + a.N / 2) : float4{};
+        tg[0] = pg.x, tg[1] = pg.y, tg[2] = pg.z, tg[3] = pg.w, tu[0] = pu.x, tu[1] = pu.y, tu[2] = pu.z, tu[3] = pu.w;
+      } else {
+#pragma unroll
+        for (int q = 0; q < kFoldCols; ++q) {
+          tg[q] = col0 + q < cols ? sums.Part(k, i, col0 + q) : 0.0f;
+          if (glu) tu[q] = col0 + q < cols ? sums.Part(k, i, col0 + a.N / 2 + q) : 0.0f;
+        }
       }
-      float4 s = sums.Part4(0, i, j);
-      for (int64_t k = 1; k < parts; ++k) {
-        const float4 t = sums.Part4(k, i, j);
-        s.x += t.x, s.y += t.y, s.z += t.z, s.w += t.w;
-      }
-      v[0] = s.x, v[1] = s.y, v[2] = s.z, v[3] = s.w;
-    };
-    load(col0, g);
+#pragma unroll
+      for (int q = 0; q < kFoldCols; ++q) g[q] = k == 0 ? tg[q] : g[q] + tg[q], u[q] = k == 0 ? tu[q] : u[q] + tu[q];
+    }
     if (glu) {
-      load(col0 + a.N / 2, u);
 #pragma unroll
       for (int q = 0; q < kFoldCols; ++q) g[q] = Glu(a.act, g[q], u[q], a.situ_beta, a.situ_linear_beta);
     }
