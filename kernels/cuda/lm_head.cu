@@ -7,7 +7,7 @@
 // reduction, one 64-bit atomicMax per row and warpgroup), the logits when kept. With cp.async copies by a
 // warpgroup instead, the head streamed 3.6 TB/s whatever the rows (copier-bound).
 //
-// The first stage's W tile is requested before the wait for the kernel before (PDL): the head's first bytes
+// The ring's first W tiles are requested before the wait for the kernel before (PDL): the head's first bytes
 // stream while the final RMSNorm finishes.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -63,22 +63,31 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
 
   if (group == 0) {  // ------------------------------------------------------------------------------ loader
     if (tid != 0) return;
-    bool waited = false;
+    // The first item's first kStages W tiles fill the empty ring before the wait for the kernel before (x is its
+    // output, W is not): they stream while the final norm and what precedes it finish.
+    const int early = blockIdx.x < items ? min(KT, kStages) : 0;
+    for (int kt = 0; kt < early; ++kt) {
+      MbarExpectTx(ring.full + kt, kStageBytes);
+      TmaLoad(ring.base + kt * kStageBytes + kABytes, w_map, kt * kBK, (blockIdx.x / passes) * kBN, ring.full + kt);
+    }
+    PdlEnter();
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       // Vocabulary-block-major: the CTAs working at once share W blocks across passes (prefill logits).
       const int m0 = (item % passes) * kRows, v0 = (item / passes) * kBN;
       for (int kt = 0; kt < KT; ++kt) {
-        ring.WaitFree();
         unsigned char* st = ring.Buffer();
         uint64_t* filled = ring.full + ring.stage;
-        MbarExpectTx(filled, kStageBytes);
-        TmaLoad(st + kABytes, w_map, kt * kBK, v0, filled);
-        if (!waited) PdlEnter(), waited = true;  // x is the kernel before's output
-        TmaLoad(st, x_map, kt * kBK, m0, filled);
+        if (item == static_cast<int>(blockIdx.x) && kt < early) {
+          TmaLoad(st, x_map, kt * kBK, m0, filled);  // its W tile is on its way (stage kt of a fresh ring)
+        } else {
+          ring.WaitFree();
+          MbarExpectTx(filled, kStageBytes);
+          TmaLoad(st + kABytes, w_map, kt * kBK, v0, filled);
+          TmaLoad(st, x_map, kt * kBK, m0, filled);
+        }
         ring.Advance();
       }
     }
-    if (!waited) PdlEnter();
     return;
   }
 
