@@ -278,6 +278,8 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     const int64_t src_row = !xvalid[i] ? 0 : a.slot_pair ? a.slot_pair[s0 + t] / a.top_k : s0 + t;
     xrow[i] = a.src + (split && r >= half ? a.src_lo : 0) + src_row * K;
   }
+  // The weights are read once a step: first out of L2 (kimi-linear-e2e's experts, probe 16: 2152 → 2136 µs).
+  const uint64_t evict_first = ptx::EvictFirstPolicy();
   auto load = [&](int stage, int kt) {
     bf16* sw = smem + stage * kStageElems;
     bf16* sx = sw + kRows * kBK;
@@ -287,7 +289,7 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     for (int i = 0; i < 4; ++i) {
       const int r = tid / 8 + kThreads / 8 * i;
       const bool wv = k_in && wvalid[i];
-      ptx::CpAsync16(sw + Swz(r, ch), wv ? wrow[i] + k : wa, wv ? 16 : 0);
+      ptx::CpAsync16(sw + Swz(r, ch), wv ? wrow[i] + k : wa, wv ? 16 : 0, evict_first);
     }
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {

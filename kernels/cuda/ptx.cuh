@@ -23,6 +23,18 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
                : "memory");
 }
+// An L2 policy for data read once (streamed weights): evict its lines first, so that what is read again stays.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+// CpAsync16 under an L2 cache policy (EvictFirstPolicy).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // Wait until at most N of this thread's committed groups are still in flight.
