@@ -1,7 +1,9 @@
 # What each kernel adds to a decode step, from a trace of tools/cupti_trace (start,end,stream,name; steps end with
-# the LM head): per kernel of the last full step, its end minus the latest end before it (with PDL and the side
-# stream, kernels overlap: their own durations do not add up to the step), summed by kernel name; then the step's
-# timeline.  python3 tools/cupti_trace/steps.py trace.csv
+# the LM head): per kernel of step S (default: the last full one), its end minus the latest end before it (with PDL
+# and the side stream, kernels overlap: their own durations do not add up to the step), summed by kernel name; then
+# the step's timeline, and every step's length. k3serve-bench-e2e's last steps weigh the limit's bytes with the host
+# in the loop: pick an overlapped step by its number (after the prefill and the host-in-the-loop ones).
+#   python3 tools/cupti_trace/steps.py trace.csv [S]
 import csv, sys, collections
 rows = []
 with open(sys.argv[1]) as f:
@@ -13,11 +15,10 @@ print('kernels', len(rows), 'lm heads', len(heads))
 def short(n):
     n = n.replace('k3::cuda::', '').replace('(anonymous namespace)::', '')
     return n.split('(')[0][:64]
-for a, b in zip(heads[-4:-1], heads[-3:]):
-    seg = rows[a + 1:b + 1]
-    t0 = rows[a][1]
-    print(f'step {(rows[b][1] - t0) / 1e3:.1f} us, {len(seg)} kernels')
-a, b = heads[-2], heads[-1]
+S = int(sys.argv[2]) if len(sys.argv) > 2 else len(heads) - 1
+for i, (a, b) in enumerate(zip(heads[:-1], heads[1:])):
+    print(f'step {i + 1}: {(rows[b][1] - rows[a][1]) / 1e3:.1f} us, {b - a} kernels')
+a, b = heads[S - 1], heads[S]
 seg = rows[a + 1:b + 1]
 t0 = rows[a][1]
 add = collections.defaultdict(lambda: [0.0, 0.0, 0])
@@ -33,5 +34,5 @@ for s, e, strm, name in seg:
 print('--- by kernel: added to the step (us), own duration (us), count')
 for k, (inc, dur, c) in sorted(add.items(), key=lambda x: -x[1][0]):
     print(f'{inc:8.1f} {dur:8.1f} {c:4d}  {k}')
-print('--- last step: start, duration, added, stream, kernel')
+print(f'--- step {S}: start, duration, added, stream, kernel')
 print('\n'.join(lines))
