@@ -25,18 +25,15 @@ __device__ __forceinline__ float WarpMax(float x) {
 
 size_t Round256(size_t n) { return (n + 255) / 256 * 256; }
 
-// One CTA per token: RMSNorm of c_kv (fp32), then the cache row.
-__global__ __launch_bounds__(kThreads) void AppendKernel(MlaDims s, Split c, const float* norm_w, float eps,
-                                                          const int32_t* tok_slot, const int32_t* tok_pos,
-                                                          __nv_bfloat16* cache, int64_t max_ctx) {
-  PdlEnter();
-  const int64_t n = blockIdx.x, cw = s.cw();
-  const __nv_bfloat16* src = c.p + n * c.ld;
+// Token n's cache row from its [c_kv | k_r] values v(i), by a block of kThreads: RMSNorm of c_kv (fp32), then bf16.
+template <class Value>
+__device__ void AppendRow(const MlaDims& s, int64_t n, Value v, const float* norm_w, float eps, const int32_t* tok_slot,
+                          const int32_t* tok_pos, __nv_bfloat16* cache, int64_t max_ctx) {
   __shared__ float part[kThreads / 32];
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < s.r; i += kThreads) {
-    const float v = LoadSplit(src + i, c.lo);
-    ss += v * v;
+    const float x = v(i);
+    ss += x * x;
   }
   ss = WarpSum(ss);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
@@ -44,11 +41,21 @@ __global__ __launch_bounds__(kThreads) void AppendKernel(MlaDims s, Split c, con
   ss = 0.0f;
   for (int w = 0; w < kThreads / 32; ++w) ss += part[w];
   const float rinv = rsqrtf(ss / static_cast<float>(s.r) + eps);
-  __nv_bfloat16* dst = cache + (int64_t{tok_slot[n]} * max_ctx + tok_pos[n]) * cw;
-  for (int64_t i = threadIdx.x; i < cw; i += kThreads) {
-    const float v = LoadSplit(src + i, c.lo);
-    dst[i] = __float2bfloat16_rn(i < s.r ? norm_w[i] * (v * rinv) : v);
+  __nv_bfloat16* dst = cache + (int64_t{tok_slot[n]} * max_ctx + tok_pos[n]) * s.cw();
+  for (int64_t i = threadIdx.x; i < s.cw(); i += kThreads) {
+    const float x = v(i);
+    dst[i] = __float2bfloat16_rn(i < s.r ? norm_w[i] * (x * rinv) : x);
   }
+}
+
+// One CTA per token: its cache row from c (split [N, cw]).
+__global__ __launch_bounds__(kThreads) void AppendKernel(MlaDims s, Split c, const float* norm_w, float eps,
+                                                          const int32_t* tok_slot, const int32_t* tok_pos,
+                                                          __nv_bfloat16* cache, int64_t max_ctx) {
+  PdlEnter();
+  const int64_t n = blockIdx.x;
+  const __nv_bfloat16* src = c.p + n * c.ld;
+  AppendRow(s, n, [&](int64_t i) { return LoadSplit(src + i, c.lo); }, norm_w, eps, tok_slot, tok_pos, cache, max_ctx);
 }
 
 __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfloat16* w_ukt) {
@@ -85,23 +92,7 @@ __global__ __launch_bounds__(kThreads) void PrepKernel(MlaDims s, Sums x, const 
   if (blockIdx.y == 0) {
     Sums c = x;  // [c_kv | k_r]
     c.p += qw;
-    __shared__ float part[kThreads / 32];
-    float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < s.r; i += kThreads) {
-      const float v = RoundSplit(c.At(n, i));
-      ss += v * v;
-    }
-    ss = WarpSum(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    ss = 0.0f;
-    for (int w = 0; w < kThreads / 32; ++w) ss += part[w];
-    const float rinv = rsqrtf(ss / static_cast<float>(s.r) + eps);
-    __nv_bfloat16* dst = cache + (int64_t{tok_slot[n]} * max_ctx + tok_pos[n]) * s.cw();
-    for (int64_t i = threadIdx.x; i < s.cw(); i += kThreads) {
-      const float v = RoundSplit(c.At(n, i));
-      dst[i] = __float2bfloat16_rn(i < s.r ? norm_w[i] * (v * rinv) : v);
-    }
+    AppendRow(s, n, [&](int64_t i) { return RoundSplit(c.At(n, i)); }, norm_w, eps, tok_slot, tok_pos, cache, max_ctx);
     return;
   }
   const int64_t i = (blockIdx.y - 1) * int64_t{kThreads} + threadIdx.x;

@@ -52,7 +52,7 @@ cudaError_t MlaDecode(int64_t N, const MlaDims& s, Split q, const __nv_bfloat16*
                       const int32_t* tok_slot, const int32_t* tok_pos, const __nv_bfloat16* kv_b,
                       const __nv_bfloat16* w_ukt, float scale, Split out, void* workspace, LinearBlas& blas,
                       cudaStream_t stream);
-// MlaDecode from the input product's unfolded sums x (N rows of [q | c_kv | k_r], nh·dqk + cw columns, one part),
+// MlaDecode from the input product's unfolded sums x (N rows of [q | c_kv | k_r], nh·dqk + cw columns),
 // appending the tokens' cache rows first (MlaCacheAppend's): the fold of x, the append and the query's split in
 // one pass, with the bits of MlaCacheAppend + MlaDecode on the folded x.
 cudaError_t MlaDecodeSums(int64_t N, const MlaDims& s, Sums x, const float* norm_w, float eps,
