@@ -56,6 +56,7 @@ struct MoeWorkspace::Buffers {
 namespace {
 
 constexpr int kBK = 64;  // reduction slice per stage: 128 bytes per row
+constexpr int kPackRows = 128;  // weight rows of a tiled CTA, and of a packed tile
 
 // A CTA: kWarps warps of 16 weight rows each, up to kTokens tokens, a kStages-deep ring.
 template <int kWarps_, int kTokens_, int kStages_>
@@ -208,6 +209,7 @@ struct TileArgs {
   int64_t dst_lo;               // split dst: offset of its lo plane; 0: plain bf16
   GluAct act;
   float beta1, beta2;
+  bool packed;                  // wa holds MoePackGateUp's / MoePackDown's tiles (kPackRows rows a tile)
 };
 
 // Element (row, 16-byte chunk c) of a [rows][kBK] stage tile, chunks XOR-swizzled by row: ldmatrix's
@@ -257,11 +259,18 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
   // token rows.
   const int ch = tid & 7;
   const bf16* wa = a.wa[e];
-  const bf16* wb = kGlu ? a.wb[e] : wa;
+  const bf16* wb = kGlu && !a.packed ? a.wb[e] : wa;
   // Token rows the MMAs read: the first nt rounded up to 16 (split: in each half).
   const int nrt = (nt + 15) & ~15, span = split ? half : kTokens;
   auto used = [&](int r) { return r < kTokens && r % span < nrt; };
+  const int KT = (K + kBK - 1) / kBK;
+  // Plain: weight row r's k-tiles 64 elements apart, copied to their swizzled place. Packed: the CTA's tiles back
+  // to back, already swizzled, so that a stage is one contiguous 16 KB read (chunk tid + kThreads·i of the tile).
+  static_assert(S::kRows == kPackRows, "the packed tiles are kPackRows rows");
+  const bool packed = a.packed;
+  const int64_t wstep = packed ? kRows * kBK : kBK;
   const bf16* wrow[4];
+  int wdst[4];
   const bf16* xrow[kXCopies];
   bool wvalid[4], xvalid[kXCopies];
 #pragma unroll
@@ -269,7 +278,9 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     const int r = tid / 8 + kThreads / 8 * i;
     const int f = f0 + (kGlu ? GluFeature(r) : r);
     wvalid[i] = f < M;
-    wrow[i] = (kGlu && r % 16 >= 8 ? wb : wa) + static_cast<int64_t>(wvalid[i] ? f : 0) * K;
+    wrow[i] = packed ? wa + (static_cast<int64_t>(blockIdx.x) * KT * kRows + r) * kBK + ch * 8
+                     : (kGlu && r % 16 >= 8 ? wb : wa) + static_cast<int64_t>(wvalid[i] ? f : 0) * K + ch * 8;
+    wdst[i] = packed ? r * kBK + ch * 8 : Swz(r, ch);
   }
 #pragma unroll
   for (int i = 0; i < kXCopies; ++i) {
@@ -284,12 +295,11 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     bf16* sw = smem + stage * kStageElems;
     bf16* sx = sw + kRows * kBK;
     const int k = kt * kBK + ch * 8;
-    const bool k_in = k < K;
+    const bool k_in = k < K;  // packed tiles are zero past K, but x must not be read there
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = tid / 8 + kThreads / 8 * i;
-      const bool wv = k_in && wvalid[i];
-      ptx::CpAsync16(sw + Swz(r, ch), wv ? wrow[i] + k : wa, wv ? 16 : 0, evict_first);
+      const bool wv = packed || (k_in && wvalid[i]);
+      ptx::CpAsync16(sw + wdst[i], wv ? wrow[i] + kt * wstep : wa, wv ? 16 : 0, evict_first);
     }
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
@@ -301,7 +311,6 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     }
   };
 
-  const int KT = (K + kBK - 1) / kBK;
   float acc[kTokens / 8][4] = {};
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -370,6 +379,36 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     __syncthreads();
     if (tid == 0) atomicAdd(a.tile_done + blockIdx.y, 1);
   }
+}
+
+// ------------------------------------------------------------------------------------- packed weights
+
+// Tile (b, kt) of a packed [M, K] matrix holds CTA b's kPackRows weight rows (gate/up: W1's and W3's rows of the same
+// features, as GluFeature orders them) at columns kt·kBK.., tiles in (b, kt) order; row r's 16-byte chunk c is at
+// chunk c ^ (r & 7) of the row, where Swz puts it in shared memory. Zeros past M or K.
+__global__ void PackKernel(const bf16* w1, const bf16* w3, int64_t M, int64_t K, bool glu, int4* out,
+                           int64_t chunks) {
+  const int64_t KT = (K + kBK - 1) / kBK;
+  for (int64_t q = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; q < chunks; q += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t tile = q / (kPackRows * 8), b = tile / KT, kt = tile % KT;
+    const int j = static_cast<int>(q % (kPackRows * 8)), r = j / 8;
+    const int64_t k = kt * kBK + ((j % 8) ^ (r & 7)) * 8;
+    const int64_t f = glu ? b * (kPackRows / 2) + GluFeature(r) : b * kPackRows + r;
+    const bf16* w = glu && r % 16 >= 8 ? w3 : w1;
+    out[q] = f < M && k < K ? *reinterpret_cast<const int4*>(w + f * K + k) : make_int4(0, 0, 0, 0);
+  }
+}
+
+int64_t PackedElems(int64_t M, int64_t K, int64_t rows_per_tile) {
+  return (M + rows_per_tile - 1) / rows_per_tile * ((K + kBK - 1) / kBK) * kPackRows * kBK;
+}
+
+cudaError_t Pack(const bf16* w1, const bf16* w3, int64_t M, int64_t K, bool glu, bf16* out, cudaStream_t stream) {
+  if (M < 1 || K < 8 || K % 8 || !w1 || (glu && !w3) || !out) return cudaErrorInvalidValue;
+  const int64_t chunks = PackedElems(M, K, glu ? kPackRows / 2 : kPackRows) / 8;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((chunks + 255) / 256, 132 * 8));
+  PackKernel<<<grid, 256, 0, stream>>>(w1, w3, M, K, glu, reinterpret_cast<int4*>(out), chunks);
+  return cudaGetLastError();
 }
 
 // --------------------------------------------------------------------------------- elementwise passes
@@ -517,6 +556,7 @@ TileArgs GateUpArgs(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b) {
   t.K = static_cast<int>(a.D), t.M = static_cast<int>(a.I);
   t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
   t.src_lo = a.x_lo, t.dst_lo = a.x_lo != 0 ? b.max_pairs * b.I : 0;
+  t.packed = a.packed;
   return t;
 }
 void ToDown(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b, TileArgs* t) {
@@ -730,6 +770,15 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   return err;
 }
 
+int64_t MoePackedGateUpElems(int64_t D, int64_t I) { return PackedElems(I, D, kPackRows / 2); }
+int64_t MoePackedDownElems(int64_t D, int64_t I) { return PackedElems(D, I, kPackRows); }
+cudaError_t MoePackGateUp(const bf16* w1, const bf16* w3, int64_t D, int64_t I, bf16* out, cudaStream_t stream) {
+  return Pack(w1, w3, I, D, true, out, stream);
+}
+cudaError_t MoePackDown(const bf16* w2, int64_t D, int64_t I, bf16* out, cudaStream_t stream) {
+  return Pack(w2, nullptr, D, I, false, out, stream);
+}
+
 cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts, int32_t* offsets,
                        int32_t* slot_pair, int32_t* pair_slot, cudaStream_t stream) {
   if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > kMaxPermuteExperts)
@@ -746,11 +795,12 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
     return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
   const bool split = a.x_lo != 0;
-  if (!a.x || !a.idx || !a.w || !a.w1 || !a.w3 || !a.w2 || (split ? !a.out_f32 : !a.out) || !b.counts ||
-      P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E ||
-      (split && (gemm == MoeGemm::kCublas || gemm == MoeGemm::kWgmma)))
+  const bool tiled_only = split || a.packed;
+  if (!a.x || !a.idx || !a.w || !a.w1 || (!a.packed && !a.w3) || !a.w2 || (split ? !a.out_f32 : !a.out) ||
+      !b.counts || P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E ||
+      (tiled_only && (gemm == MoeGemm::kCublas || gemm == MoeGemm::kWgmma)))
     return cudaErrorInvalidValue;
-  if (gemm == MoeGemm::kAuto && split) gemm = MoeGemm::kTiled;
+  if (gemm == MoeGemm::kAuto && tiled_only) gemm = MoeGemm::kTiled;
   if (gemm == MoeGemm::kAuto)
     gemm = P <= kMoeWgmmaMaxPairsPerExpert * E && WgmmaFits(a) ? MoeGemm::kWgmma : MoeGemm::kCublas;
   const bool tiled = gemm == MoeGemm::kTiled, wgmma = gemm == MoeGemm::kWgmma,
