@@ -57,8 +57,8 @@ struct GluW {
   bf16 *gate_up = nullptr, *down = nullptr;  // [2I, d] (gate rows, then up rows), [d, I]
   int64_t I = 0;
 };
-// One layer's routed experts: device arrays of E pointers to each expert's weights in the tiled kernels' packed
-// layout (MoeExpertsArgs::packed): W1 and W3 together, W2.
+// One layer's routed experts: device arrays of E pointers to each expert's W1 and W3 together in the tiled gate/up
+// kernel's packed layout (MoeExpertsArgs::packed), and to its W2 [ℓ, I].
 struct RoutedExperts {
   const bf16* const* gate_up = nullptr;
   const bf16* const* down = nullptr;
@@ -453,7 +453,7 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
   int64_t routed = 0;             // bytes of routed experts (and their pointer arrays)
   int64_t derived = 0;            // bytes of weights copied into another layout (KdaW::fg)
   RoutedExperts shared_experts;   // the first MoE layer's (share_routed_experts)
-  struct Staging {                // one routed expert's weights on their way to the packed layout
+  struct Staging {                // one routed expert's W1 and W3 on their way to the packed layout
     bf16* p = nullptr;
     ~Staging() { cudaFree(p); }
   } staging;
@@ -611,22 +611,21 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
       e.experts = shared_experts;
       continue;
     }
-    // Each expert through a staging buffer into the tiled kernels' packed layout (MoePackGateUp / MoePackDown:
-    // a weight tile one contiguous read; probe 17, kimi-linear-e2e's experts: 2185–2223 → 2143 µs, bit for bit).
-    const int64_t before = allocated, gate_up = MoePackedGateUpElems(X, I), down = MoePackedDownElems(X, I);
-    if (!staging.p) K3_CUDA_OK(cudaMalloc(&staging.p, 3 * I * X * sizeof(bf16)));
+    // W1 and W3 of each expert through a staging buffer into the tiled gate/up kernel's packed layout
+    // (MoePackGateUp: a weight tile one contiguous read; in decode traces the gate/up took 15–27 µs less a step).
+    const int64_t before = allocated, gate_up = MoePackedGateUpElems(X, I);
+    if (!staging.p) K3_CUDA_OK(cudaMalloc(&staging.p, 2 * I * X * sizeof(bf16)));
     bf16* const plain = staging.p;
     K3_ASSIGN_OR_RETURN(bf16 * w13, bf(E * gate_up));
-    K3_ASSIGN_OR_RETURN(bf16 * w2, bf(E * down));
-    std::vector<const bf16*> ptrs(2 * E);  // packed W1 and W3 of each expert, then packed W2
+    K3_ASSIGN_OR_RETURN(bf16 * w2, bf(E * X * I));
+    std::vector<const bf16*> ptrs(2 * E);  // packed W1 and W3 of each expert, then W2
     for (int64_t x = 0; x < E; ++x) {
-      ptrs[x] = w13 + x * gate_up, ptrs[E + x] = w2 + x * down;
+      ptrs[x] = w13 + x * gate_up, ptrs[E + x] = w2 + x * X * I;
       K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW1), plain));
       K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW3), plain + I * X));
-      K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW2), plain + 2 * I * X));
-      // On the legacy stream, as the uploads: the next expert's upload waits for these.
+      K3_RETURN_IF_ERROR(up.Bf16(n::Expert(l, x, n::kExpertW2), w2 + x * X * I));
+      // On the legacy stream, as the uploads: the next expert's upload waits for it.
       K3_CUDA_OK(MoePackGateUp(plain, plain + I * X, X, I, w13 + x * gate_up, nullptr));
-      K3_CUDA_OK(MoePackDown(plain + 2 * I * X, X, I, w2 + x * down, nullptr));
     }
     K3_ASSIGN_OR_RETURN(const bf16** dp, Alloc<const bf16*>(2 * E));
     K3_CUDA_OK(cudaMemcpy(dp, ptrs.data(), 2 * E * sizeof(bf16*), cudaMemcpyHostToDevice));

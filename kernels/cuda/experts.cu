@@ -209,7 +209,7 @@ struct TileArgs {
   int64_t dst_lo;               // split dst: offset of its lo plane; 0: plain bf16
   GluAct act;
   float beta1, beta2;
-  bool packed;                  // wa holds MoePackGateUp's / MoePackDown's tiles (kPackRows rows a tile)
+  bool packed;                  // gate/up: wa holds MoePackGateUp's tiles (kPackRows rows a tile)
 };
 
 // Element (row, 16-byte chunk c) of a [rows][kBK] stage tile, chunks XOR-swizzled by row: ldmatrix's
@@ -383,32 +383,18 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
 
 // ------------------------------------------------------------------------------------- packed weights
 
-// Tile (b, kt) of a packed [M, K] matrix holds CTA b's kPackRows weight rows (gate/up: W1's and W3's rows of the same
-// features, as GluFeature orders them) at columns kt·kBK.., tiles in (b, kt) order; row r's 16-byte chunk c is at
-// chunk c ^ (r & 7) of the row, where Swz puts it in shared memory. Zeros past M or K.
-__global__ void PackKernel(const bf16* w1, const bf16* w3, int64_t M, int64_t K, bool glu, int4* out,
-                           int64_t chunks) {
-  const int64_t KT = (K + kBK - 1) / kBK;
+// Tile (b, kt) of the packed W1 and W3 ([I, D] each) holds gate/up CTA b's kPackRows weight rows (W1's and W3's rows
+// of the same features, as GluFeature orders them) at columns kt·kBK.., tiles in (b, kt) order; row r's 16-byte chunk
+// c is at chunk c ^ (r & 7) of the row, where Swz puts it in shared memory. Zeros past I or D.
+__global__ void PackGateUpKernel(const bf16* w1, const bf16* w3, int64_t I, int64_t D, int4* out, int64_t chunks) {
+  const int64_t KT = (D + kBK - 1) / kBK;
   for (int64_t q = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; q < chunks; q += int64_t{gridDim.x} * blockDim.x) {
     const int64_t tile = q / (kPackRows * 8), b = tile / KT, kt = tile % KT;
     const int j = static_cast<int>(q % (kPackRows * 8)), r = j / 8;
-    const int64_t k = kt * kBK + ((j % 8) ^ (r & 7)) * 8;
-    const int64_t f = glu ? b * (kPackRows / 2) + GluFeature(r) : b * kPackRows + r;
-    const bf16* w = glu && r % 16 >= 8 ? w3 : w1;
-    out[q] = f < M && k < K ? *reinterpret_cast<const int4*>(w + f * K + k) : make_int4(0, 0, 0, 0);
+    const int64_t k = kt * kBK + ((j % 8) ^ (r & 7)) * 8, f = b * (kPackRows / 2) + GluFeature(r);
+    const bf16* w = r % 16 >= 8 ? w3 : w1;
+    out[q] = f < I && k < D ? *reinterpret_cast<const int4*>(w + f * D + k) : make_int4(0, 0, 0, 0);
   }
-}
-
-int64_t PackedElems(int64_t M, int64_t K, int64_t rows_per_tile) {
-  return (M + rows_per_tile - 1) / rows_per_tile * ((K + kBK - 1) / kBK) * kPackRows * kBK;
-}
-
-cudaError_t Pack(const bf16* w1, const bf16* w3, int64_t M, int64_t K, bool glu, bf16* out, cudaStream_t stream) {
-  if (M < 1 || K < 8 || K % 8 || !w1 || (glu && !w3) || !out) return cudaErrorInvalidValue;
-  const int64_t chunks = PackedElems(M, K, glu ? kPackRows / 2 : kPackRows) / 8;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((chunks + 255) / 256, 132 * 8));
-  PackKernel<<<grid, 256, 0, stream>>>(w1, w3, M, K, glu, reinterpret_cast<int4*>(out), chunks);
-  return cudaGetLastError();
 }
 
 // --------------------------------------------------------------------------------- elementwise passes
@@ -563,6 +549,7 @@ void ToDown(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b, TileArgs* t
   t->K = static_cast<int>(a.I), t->M = static_cast<int>(a.D);
   t->wa = a.w2, t->wb = nullptr, t->src = b.h, t->slot_pair = nullptr, t->dst = b.y;
   t->src_lo = t->dst_lo, t->dst_lo = a.x_lo != 0 ? b.max_pairs * b.D : 0;
+  t->packed = false;
 }
 
 }  // namespace
@@ -770,13 +757,15 @@ cudaError_t MoeWorkspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64
   return err;
 }
 
-int64_t MoePackedGateUpElems(int64_t D, int64_t I) { return PackedElems(I, D, kPackRows / 2); }
-int64_t MoePackedDownElems(int64_t D, int64_t I) { return PackedElems(D, I, kPackRows); }
-cudaError_t MoePackGateUp(const bf16* w1, const bf16* w3, int64_t D, int64_t I, bf16* out, cudaStream_t stream) {
-  return Pack(w1, w3, I, D, true, out, stream);
+int64_t MoePackedGateUpElems(int64_t D, int64_t I) {
+  return (I + kPackRows / 2 - 1) / (kPackRows / 2) * ((D + kBK - 1) / kBK) * kPackRows * kBK;
 }
-cudaError_t MoePackDown(const bf16* w2, int64_t D, int64_t I, bf16* out, cudaStream_t stream) {
-  return Pack(w2, nullptr, D, I, false, out, stream);
+cudaError_t MoePackGateUp(const bf16* w1, const bf16* w3, int64_t D, int64_t I, bf16* out, cudaStream_t stream) {
+  if (I < 1 || D < 8 || D % 8 || !w1 || !w3 || !out) return cudaErrorInvalidValue;
+  const int64_t chunks = MoePackedGateUpElems(D, I) / 8;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((chunks + 255) / 256, 132 * 8));
+  PackGateUpKernel<<<grid, 256, 0, stream>>>(w1, w3, I, D, reinterpret_cast<int4*>(out), chunks);
+  return cudaGetLastError();
 }
 
 cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts, int32_t* offsets,

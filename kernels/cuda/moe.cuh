@@ -97,8 +97,8 @@ struct MoeExpertsArgs {
   const __nv_bfloat16* const* w1 = nullptr;  // W1_e [I, D] (gate)
   const __nv_bfloat16* const* w3 = nullptr;  // W3_e [I, D] (up)
   const __nv_bfloat16* const* w2 = nullptr;  // W2_e [D, I] (down)
-  // The weights in the tiled kernels' packed layout (MoePackGateUp / MoePackDown): w1[e] is expert e's packed W1
-  // and W3 together (w3 is not read), w2[e] its packed W2. kTiled only (kAuto picks it).
+  // W1 and W3 in the tiled kernels' packed layout (MoePackGateUp): w1[e] is expert e's packed W1 and W3 together
+  // (w3 is not read); W2 stays as above. kTiled only (kAuto picks it).
   bool packed = false;
   GluAct act = GluAct::kSilu;
   float situ_beta = 4.0f;          // β1
@@ -132,15 +132,14 @@ class MoeWorkspace {
 // Reproducible run to run. kCublas synchronizes the stream (see above).
 cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, cudaStream_t stream);
 
-// The tiled kernels' packed weight layout (MoeExpertsArgs::packed). A tiled CTA streams 128 weight rows in
-// 64-column tiles: in PyTorch's row-major layout a tile is 128 pieces of 128 bytes, one every K·2 bytes; packed, it
-// is one contiguous 16 KB block, already in the order the kernel keeps it in shared memory. The same products, bit
-// for bit. Zeros pad I and D to whole tiles. Sizes in elements, per expert; w1, w3, w2 in the layout above.
-int64_t MoePackedGateUpElems(int64_t D, int64_t I);  // W1 and W3 together
-int64_t MoePackedDownElems(int64_t D, int64_t I);
+// The tiled gate/up kernel's packed weight layout (MoeExpertsArgs::packed). A tiled CTA streams 64 rows of W1 and the
+// same 64 of W3 in 64-column tiles: in PyTorch's row-major layout a tile is 128 pieces of 128 bytes, one every D·2
+// bytes; packed, it is one contiguous 16 KB block, already in the order the kernel keeps it in shared memory. The
+// same products, bit for bit. Zeros pad I and D to whole tiles. W2 is not packed: in the GPU engine's decode the
+// packed down kernel was slower (+9 and +16 µs a step, traces on two H200s) while the gate/up gained 15–27 µs.
+int64_t MoePackedGateUpElems(int64_t D, int64_t I);  // elements per expert
 cudaError_t MoePackGateUp(const __nv_bfloat16* w1, const __nv_bfloat16* w3, int64_t D, int64_t I,
                           __nv_bfloat16* out, cudaStream_t stream);
-cudaError_t MoePackDown(const __nv_bfloat16* w2, int64_t D, int64_t I, __nv_bfloat16* out, cudaStream_t stream);
 
 // Token permutation by slot: a counting sort of the num_pairs (token, expert) pairs by expert, stable
 // (pair order inside an expert, as k3::cpu::MoeExperts buckets them). Expert e owns the slots

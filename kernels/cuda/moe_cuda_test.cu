@@ -407,22 +407,22 @@ TEST(MoeExpertsCuda, SplitTileShapesAgreeBitForBit) {
   EXPECT_EQ(std::memcmp(alone.data(), batched.data(), alone.size() * sizeof(float)), 0);
 }
 
-// MoePackGateUp / MoePackDown against the layout written out on the host: tile (b, kt) of 128 rows × 64 columns,
-// gate/up rows 16w..16w + 7 W1's features 8w.., rows 16w + 8.. W3's same features, chunk c of row r at c ^ (r & 7),
-// zeros past the matrix (I = 72, D = 200: partial row tiles and k-tiles).
-std::vector<uint16_t> PackRef(const std::vector<uint16_t>& w1, const std::vector<uint16_t>* w3, int64_t M, int64_t K) {
-  const bool glu = w3 != nullptr;
-  const int64_t per_tile = glu ? 64 : 128, B = (M + per_tile - 1) / per_tile, KT = (K + 63) / 64;
+// MoePackGateUp against the layout written out on the host: tile (b, kt) of 128 rows × 64 columns, rows 16w..16w + 7
+// W1's features 64b + 8w.., rows 16w + 8.. W3's same features, chunk c of row r at c ^ (r & 7), zeros past the
+// matrices (I = 72, D = 200: a partial row tile and k-tile).
+std::vector<uint16_t> PackGateUpRef(const std::vector<uint16_t>& w1, const std::vector<uint16_t>& w3, int64_t I,
+                                    int64_t D) {
+  const int64_t B = (I + 63) / 64, KT = (D + 63) / 64;
   std::vector<uint16_t> out(B * KT * 128 * 64, 0);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t kt = 0; kt < KT; ++kt)
       for (int64_t r = 0; r < 128; ++r) {
-        const int64_t f = glu ? b * 64 + 8 * (r / 16) + r % 8 : b * 128 + r;
-        const std::vector<uint16_t>& w = glu && r % 16 >= 8 ? *w3 : w1;
+        const int64_t f = b * 64 + 8 * (r / 16) + r % 8;
+        const std::vector<uint16_t>& w = r % 16 >= 8 ? w3 : w1;
         for (int64_t c = 0; c < 8; ++c)
           for (int64_t e = 0; e < 8; ++e) {
             const int64_t k = kt * 64 + c * 8 + e;
-            if (f < M && k < K) out[((b * KT + kt) * 128 + r) * 64 + (c ^ (r & 7)) * 8 + e] = w[f * K + k];
+            if (f < I && k < D) out[((b * KT + kt) * 128 + r) * 64 + (c ^ (r & 7)) * 8 + e] = w[f * D + k];
           }
       }
   return out;
@@ -431,44 +431,38 @@ std::vector<uint16_t> PackRef(const std::vector<uint16_t>& w1, const std::vector
 TEST(MoeExpertsCuda, PackMatchesHostLayout) {
   REQUIRE_GPU();
   for (auto [D, I] : {std::pair<int64_t, int64_t>{200, 72}, {128, 48}, {2304, 1024}, {8, 8}}) {
-    std::vector<float> f1 = Random(I * D, 1), f3 = Random(I * D, 2), f2 = Random(D * I, 3);
-    const auto w1 = ToBf16(f1), w3 = ToBf16(f3), w2 = ToBf16(f2);
-    DeviceBuffer<uint16_t> d1(w1), d3(w3), d2(w2);
-    DeviceBuffer<uint16_t> gu(MoePackedGateUpElems(D, I)), dn(MoePackedDownElems(D, I));
-    auto bf = [](const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<const __nv_bfloat16*>(b.get()); };
-    auto bfm = [](DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__nv_bfloat16*>(b.get()); };
-    ASSERT_EQ(MoePackGateUp(bf(d1), bf(d3), D, I, bfm(gu), nullptr), cudaSuccess);
-    ASSERT_EQ(MoePackDown(bf(d2), D, I, bfm(dn), nullptr), cudaSuccess);
-    EXPECT_EQ(gu.ToHost(), PackRef(w1, &w3, I, D)) << "D=" << D << " I=" << I;
-    EXPECT_EQ(dn.ToHost(), PackRef(w2, nullptr, D, I)) << "D=" << D << " I=" << I;
+    std::vector<float> f1 = Random(I * D, 1), f3 = Random(I * D, 2);
+    const auto w1 = ToBf16(f1), w3 = ToBf16(f3);
+    DeviceBuffer<uint16_t> d1(w1), d3(w3), gu(MoePackedGateUpElems(D, I));
+    ASSERT_EQ(MoePackGateUp(reinterpret_cast<const __nv_bfloat16*>(d1.get()),
+                            reinterpret_cast<const __nv_bfloat16*>(d3.get()), D, I,
+                            reinterpret_cast<__nv_bfloat16*>(gu.get()), nullptr),
+              cudaSuccess);
+    EXPECT_EQ(gu.ToHost(), PackGateUpRef(w1, w3, I, D)) << "D=" << D << " I=" << I;
   }
   DeviceBuffer<uint16_t> w(64 * 64);
   auto p = reinterpret_cast<__nv_bfloat16*>(w.get());
   EXPECT_EQ(MoePackGateUp(p, nullptr, 64, 64, p, nullptr), cudaErrorInvalidValue) << "no W3";
-  EXPECT_EQ(MoePackDown(p, 64, 60, p, nullptr), cudaErrorInvalidValue) << "K = I not a multiple of 8";
+  EXPECT_EQ(MoePackGateUp(p, p, 60, 64, p, nullptr), cudaErrorInvalidValue) << "D not a multiple of 8";
 }
 
-// The packed layout (the GPU engine's) gives the plain layout's bits, split and plain x, every routing, on odd
-// widths; packed weights refuse the cuBLAS and wgmma paths.
+// Packed W1 and W3 (the GPU engine's) give the plain layout's bits, split and plain x, every routing, on odd widths;
+// packed weights refuse the cuBLAS and wgmma paths.
 TEST(MoeExpertsCuda, PackedWeightsAgreeBitForBit) {
   REQUIRE_GPU();
   MoeWorkspace ws;
   for (auto [E, D, I] : {std::tuple<int64_t, int64_t, int64_t>{9, 200, 72}, {5, 128, 48}, {4, 512, 384}}) {
     const Experts ex(E, D, I, 400);
     std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> store;
-    std::vector<const __nv_bfloat16*> gu, dn;
+    std::vector<const __nv_bfloat16*> gu;
+    const std::vector<const __nv_bfloat16*> w1 = ex.p1->ToHost(), w3 = ex.p3->ToHost();
     for (int64_t e = 0; e < E; ++e) {
       store.push_back(std::make_unique<DeviceBuffer<uint16_t>>(MoePackedGateUpElems(D, I)));
-      gu.push_back(reinterpret_cast<const __nv_bfloat16*>(store.back()->get()));
-      ASSERT_EQ(MoePackGateUp(ex.p1->ToHost()[e], ex.p3->ToHost()[e], D, I,
-                              reinterpret_cast<__nv_bfloat16*>(store.back()->get()), nullptr),
-                cudaSuccess);
-      store.push_back(std::make_unique<DeviceBuffer<uint16_t>>(MoePackedDownElems(D, I)));
-      dn.push_back(reinterpret_cast<const __nv_bfloat16*>(store.back()->get()));
-      ASSERT_EQ(MoePackDown(ex.p2->ToHost()[e], D, I, reinterpret_cast<__nv_bfloat16*>(store.back()->get()), nullptr),
-                cudaSuccess);
+      auto* packed = reinterpret_cast<__nv_bfloat16*>(store.back()->get());
+      gu.push_back(packed);
+      ASSERT_EQ(MoePackGateUp(w1[e], w3[e], D, I, packed, nullptr), cudaSuccess);
     }
-    DeviceBuffer<const __nv_bfloat16*> pgu(gu), pdn(dn);
+    DeviceBuffer<const __nv_bfloat16*> pgu(gu);
     for (const auto& [name, r] : Routings(E))
       for (bool split : {false, true}) {
         std::vector<float> x = Random(r.N * D, 70, 1.0f);
@@ -481,11 +475,8 @@ TEST(MoeExpertsCuda, PackedWeightsAgreeBitForBit) {
           MoeExpertsArgs a;
           a.N = r.N, a.D = D, a.I = I, a.top_k = r.k, a.num_experts = E, a.idx = idx.get(), a.w = w.get();
           a.x = reinterpret_cast<const __nv_bfloat16*>(dx.get()), a.x_lo = split ? r.N * D : 0;
-          if (packed) {
-            a.w1 = pgu.get(), a.w2 = pdn.get(), a.packed = true;
-          } else {
-            a.w1 = ex.p1->get(), a.w3 = ex.p3->get(), a.w2 = ex.p2->get();
-          }
+          a.w1 = packed ? pgu.get() : ex.p1->get(), a.w3 = packed ? nullptr : ex.p3->get(), a.w2 = ex.p2->get();
+          a.packed = packed;
           a.act = GluAct::kSitu, a.situ_beta = 4.0f, a.situ_linear_beta = 25.0f;
           a.out_f32 = out32.get(), a.out = reinterpret_cast<__nv_bfloat16*>(out.get());
           EXPECT_EQ(ws.Reserve(r.N * r.k, D, I, E), cudaSuccess);
