@@ -681,7 +681,7 @@ cudaError_t LinearBlas::Run(const LinearArgs& a, cudaStream_t stream) { return P
 
 cudaError_t LinearBlas::Fold(const LinearArgs& a, Sums s, cudaStream_t stream) {
   if (a.N <= 0 || a.M < 0 || !a.y || !s.p || a.glu || a.groups != 1 || s.ld < a.N || s.lo_rows < 0 ||
-      s.parts < 1 || s.parts > kMaxSumParts || (a.out == LinearOut::kSplit && a.y_lo == 0))
+      !s.PartsOk() || (a.out == LinearOut::kSplit && a.y_lo == 0))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   return LaunchFold(a, s.p, s.ld, 0, a.M, s.lo_rows, 0, s.parts, s.part_stride, stream);

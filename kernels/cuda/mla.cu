@@ -68,15 +68,21 @@ __global__ void TransposeUkKernel(MlaDims s, const __nv_bfloat16* kv_b, __nv_bfl
 
 // The query taken apart: its rope part into the absorbed query [q_nope·W_UK | q_r] (qa[n, h, r:] = q_r of token n,
 // head h), its nope part into qn [N, nh·dn] (both planes, lo N·nh·dn on: one strided batch of the heads reads it in
-// place, whatever else is in the batch).
+// place, whatever else is in the batch). Where query column d of token n, head h goes; *lo: its lo plane's offset.
+__device__ __forceinline__ __nv_bfloat16* QueryDst(const MlaDims& s, int64_t n, int64_t h, int64_t d, Split qa,
+                                                   Split qn, int64_t* lo) {
+  *lo = d < s.dn ? qn.lo : qa.lo;
+  return d < s.dn ? qn.p + n * qn.ld + h * s.dn + d : qa.p + (n * s.nh + h) * s.cw() + s.r + d - s.dn;
+}
+
 __global__ void SplitQueryKernel(int64_t N, MlaDims s, Split q, Split qa, Split qn) {
   PdlEnter();
   const int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (i >= N * s.nh * s.dqk()) return;
   const int64_t n = i / (s.nh * s.dqk()), h = i / s.dqk() % s.nh, d = i % s.dqk();
   const __nv_bfloat16* src = q.p + n * q.ld + h * s.dqk() + d;
-  __nv_bfloat16* dst = d < s.dn ? qn.p + n * qn.ld + h * s.dn + d : qa.p + (n * s.nh + h) * s.cw() + s.r + d - s.dn;
-  const int64_t dst_lo = d < s.dn ? qn.lo : qa.lo;
+  int64_t dst_lo;
+  __nv_bfloat16* dst = QueryDst(s, n, h, d, qa, qn, &dst_lo);
   dst[0] = src[0];
   dst[dst_lo] = src[q.lo];
 }
@@ -97,9 +103,9 @@ __global__ __launch_bounds__(kThreads) void PrepKernel(MlaDims s, Sums x, const 
   }
   const int64_t i = (blockIdx.y - 1) * int64_t{kThreads} + threadIdx.x;
   if (i >= qw) return;
-  const int64_t h = i / s.dqk(), d = i % s.dqk();
-  __nv_bfloat16* dst = d < s.dn ? qn.p + n * qn.ld + h * s.dn + d : qa.p + (n * s.nh + h) * s.cw() + s.r + d - s.dn;
-  StoreSplit(dst, d < s.dn ? qn.lo : qa.lo, x.At(n, i));
+  int64_t lo;
+  __nv_bfloat16* dst = QueryDst(s, n, i / s.dqk(), i % s.dqk(), qa, qn, &lo);
+  StoreSplit(dst, lo, x.At(n, i));
 }
 
 // Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 32 heads (two 16-row MMA blocks,

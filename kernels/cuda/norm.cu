@@ -226,7 +226,7 @@ cudaError_t RmsNorm(int64_t M, int64_t D, Split x, const float* w, float eps, Sp
 
 cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums b, const int32_t* rows, const float* w,
                        float eps, Split y, cudaStream_t stream) {
-  auto bad = [&](const Sums& s) { return s.p && (s.ld < D || s.parts < 1 || s.parts > kMaxSumParts); };
+  auto bad = [&](const Sums& s) { return s.p && (s.ld < D || !s.PartsOk()); };
   if (Bad(M, D, x, y) || ldx < D || bad(a) || bad(b)) return cudaErrorInvalidValue;
   return LaunchAddRmsNorm(M, D, x, ldx, a, b, rows, w, eps, y, stream);
 }
@@ -252,8 +252,7 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
                          float eps, Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || gate.parts < 1 ||
-      gate.parts > kMaxSumParts)
+  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || !gate.PartsOk())
     return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
   K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,

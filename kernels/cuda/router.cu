@@ -262,7 +262,7 @@ cudaError_t RouteTopK(const RouterArgs& a, cudaStream_t stream) {
   if (a.qb_hist && (a.qb_bins < 1 || !(a.qb_rmax > a.qb_rmin))) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
   if (!a.logits.p || !a.idx || !a.w || (a.N + kRouterWarps - 1) / kRouterWarps > 0x7fffffff || a.logits.ld < E ||
-      a.logits.lo_rows < 0 || a.logits.parts < 1 || a.logits.parts > kMaxSumParts)
+      a.logits.lo_rows < 0 || !a.logits.PartsOk())
     return cudaErrorInvalidValue;
   // The same float expression as the CPU reference.
   const float qb_scale = a.qb_hist ? static_cast<float>(a.qb_bins) / (a.qb_rmax - a.qb_rmin) : 0.0f;

@@ -35,6 +35,7 @@ struct Sums {
   int64_t parts = 1, part_stride = 0;
 
   Sums Cols(int64_t c) const { return {p + c, ld, lo_rows, parts, part_stride}; }
+  bool PartsOk() const { return parts >= 1 && parts <= kMaxSumParts; }  // for the kernels that take parts > 1
 #ifdef __CUDACC__
   __device__ __forceinline__ float Part(int64_t k, int64_t r, int64_t c) const {
     const float* q = p + k * part_stride + r * ld + c;
