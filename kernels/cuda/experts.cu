@@ -105,13 +105,6 @@ __device__ int BlockExclusiveScan(int v, int* red, int* total) {
   return before + x - v;
 }
 
-// Block e counts every expert's pairs itself (a histogram in shared memory: the pairs are read once per block
-// anyway, and there are no counters to zero nor a count kernel before it), then takes its segment start (the
-// counts before it) and its tiles, then compacts its pairs stably: thread t of a 4·256-pair window owns pairs
-// 4t..4t+3, so an exclusive scan in thread order keeps pair order. Block 0 marks the pairs routed nowhere; the
-// last block, which sums every count before its own, writes the totals (tiles, experts hit). An expert's tiles hold
-// tile_tokens slots each, or wide_tokens where it has more than tile_tokens pairs (wide_tokens > 0: the kernels'
-// Wide shape; TileTokens).
 // The slots a tile of an expert with `count` pairs holds, and its tiles.
 __device__ __forceinline__ int TileTokens(int count, int tile_tokens, int wide_tokens) {
   return wide_tokens > 0 && count > tile_tokens ? wide_tokens : tile_tokens;
@@ -121,6 +114,13 @@ __device__ __forceinline__ int TileCount(int count, int tile_tokens, int wide_to
   return (count + t - 1) / t;
 }
 
+// Block e counts every expert's pairs itself (a histogram in shared memory: the pairs are read once per block
+// anyway, and there are no counters to zero nor a count kernel before it), then takes its segment start (the
+// counts before it) and its tiles, then compacts its pairs stably: thread t of a 4·256-pair window owns pairs
+// 4t..4t+3, so an exclusive scan in thread order keeps pair order. Block 0 marks the pairs routed nowhere; the
+// last block, which sums every count before its own, writes the totals (tiles, experts hit). An expert's tiles hold
+// tile_tokens slots each, or wide_tokens where it has more than tile_tokens pairs (wide_tokens > 0: the kernels'
+// Wide shape; TileTokens).
 __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, const int32_t* idx, int E,
                                                                    int32_t* counts, int32_t* offsets,
                                                                    int32_t* slot_pair, int32_t* pair_slot,
