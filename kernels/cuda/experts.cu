@@ -17,6 +17,7 @@
 // kBlasStreams side streams, largest experts first, each to the stream with the fewest tokens so far, so
 // that the small GEMMs of the Zipf tail run side by side. cuBLAS picks its kernel per shape.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/cuda_try.cuh"
@@ -104,16 +105,28 @@ __device__ int BlockExclusiveScan(int v, int* red, int* total) {
   return before + x - v;
 }
 
+// The slots a tile of an expert with `count` pairs holds, and its tiles.
+__device__ __forceinline__ int TileTokens(int count, int tile_tokens, int wide_tokens) {
+  return wide_tokens > 0 && count > tile_tokens ? wide_tokens : tile_tokens;
+}
+__device__ __forceinline__ int TileCount(int count, int tile_tokens, int wide_tokens) {
+  const int t = TileTokens(count, tile_tokens, wide_tokens);
+  return (count + t - 1) / t;
+}
+
 // Block e counts every expert's pairs itself (a histogram in shared memory: the pairs are read once per block
 // anyway, and there are no counters to zero nor a count kernel before it), then takes its segment start (the
 // counts before it) and its tiles, then compacts its pairs stably: thread t of a 4·256-pair window owns pairs
 // 4t..4t+3, so an exclusive scan in thread order keeps pair order. Block 0 marks the pairs routed nowhere; the
-// last block, which sums every count before its own, writes the totals (tiles, experts hit).
+// last block, which sums every count before its own, writes the totals (tiles, experts hit). An expert's tiles hold
+// tile_tokens slots each, or wide_tokens where it has more than tile_tokens pairs (wide_tokens > 0: the kernels'
+// Wide shape; TileTokens).
 __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, const int32_t* idx, int E,
                                                                    int32_t* counts, int32_t* offsets,
                                                                    int32_t* slot_pair, int32_t* pair_slot,
-                                                                   int tile_tokens, int2* tiles, int32_t* tile_done,
-                                                                   int32_t* num_tiles, int32_t* experts_hit) {
+                                                                   int tile_tokens, int wide_tokens, int2* tiles,
+                                                                   int32_t* tile_done, int32_t* num_tiles,
+                                                                   int32_t* experts_hit) {
   PdlEnter();
   extern __shared__ int hist[];  // [E]
   __shared__ int red[kPermuteThreads / 32];
@@ -133,12 +146,13 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
   for (int i = tid; i < e; i += kPermuteThreads) {
     const int c = hist[i];
     before += c;
-    tiles_before += (c + tile_tokens - 1) / tile_tokens;
+    tiles_before += TileCount(c, tile_tokens, wide_tokens);
     hit_before += c > 0;
   }
   const int start = BlockSum(before, red);
   const int tile0 = BlockSum(tiles_before, red);
-  const int count = hist[e], my_tiles = (count + tile_tokens - 1) / tile_tokens;
+  const int count = hist[e], my_tiles = TileCount(count, tile_tokens, wide_tokens);
+  const int my_tile_tokens = TileTokens(count, tile_tokens, wide_tokens);
   const bool last = e == E - 1;
   const int hit0 = last && experts_hit ? BlockSum(hit_before, red) : 0;  // uniform over the block
   if (tid == 0) {
@@ -152,7 +166,7 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
   }
   if (tiles)
     for (int t = tid; t < my_tiles; t += kPermuteThreads) {
-      tiles[tile0 + t] = make_int2(e, start + t * tile_tokens);
+      tiles[tile0 + t] = make_int2(e, start + t * my_tile_tokens);
       tile_done[tile0 + t] = 0;
     }
 
@@ -180,12 +194,12 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
 }
 
 cudaError_t Permute(int64_t P, const int32_t* idx, int64_t E, int32_t* counts, int32_t* offsets, int32_t* slot_pair,
-                    int32_t* pair_slot, int tile_tokens, int2* tiles, int32_t* tile_done, int32_t* num_tiles,
-                    int32_t* experts_hit, cudaStream_t stream) {
+                    int32_t* pair_slot, int tile_tokens, int wide_tokens, int2* tiles, int32_t* tile_done,
+                    int32_t* num_tiles, int32_t* experts_hit, cudaStream_t stream) {
   if (E > kMaxPermuteExperts) return cudaErrorInvalidValue;
   K3_CUDA_TRY(LaunchKernel(FillSlotsKernel, static_cast<unsigned>(E), kPermuteThreads, E * sizeof(int), stream, P, idx,
-                           static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, tiles, tile_done,
-                           num_tiles, experts_hit));
+                           static_cast<int>(E), counts, offsets, slot_pair, pair_slot, tile_tokens, wide_tokens, tiles,
+                           tile_done, num_tiles, experts_hit));
   return cudaGetLastError();
 }
 
@@ -220,31 +234,14 @@ __device__ __forceinline__ int Swz(int row, int c) { return row * kBK + ((c ^ (r
 // features, so that one thread's accumulators hold a feature's gate and up values (the GLU in registers).
 __device__ __forceinline__ int GluFeature(int r) { return 8 * (r / 16) + r % 8; }
 
-// Gate/up (kGlu) then down, back to back. The down CTAs of a token tile start as soon as that tile's gate/up
-// CTAs are done (a counter per tile) rather than when all are: the down kernel, launched early (PDL), fills the
-// SMs that the gate/up kernel's last wave leaves idle.
+// One tile's CTA of shape S: tokens [s0, s0 + S's tokens) of expert e (all of the CTA's work below the prologue).
 template <bool kGlu, class S>
-__global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
-  if (kGlu) {
-    PdlEnter();
-  } else {
-    PdlTrigger();  // what it reads besides h was written before the gate/up kernel started
-    if (static_cast<int>(blockIdx.y) < *a.num_tiles && threadIdx.x == 0) {
-      const int32_t* done = a.tile_done + blockIdx.y;
-      while (*reinterpret_cast<const volatile int32_t*>(done) < a.done_target) __nanosleep(256);
-      __threadfence();
-    }
-    __syncthreads();
-  }
+__device__ __forceinline__ void TileBody(const TileArgs& a, int e, int s0, unsigned char* smem_raw) {
   constexpr int kRows = S::kRows, kTokens = S::kTokens, kStages = S::kStages, kThreads = S::kThreads;
   constexpr int kStageElems = S::kStageElems;
   // 16-byte token chunks per thread and stage (a 16-row token tile: the first half of the threads, one each)
   constexpr int kXCopies = (kTokens * 8 + kThreads - 1) / kThreads;
-  if (static_cast<int>(blockIdx.y) >= *a.num_tiles) return;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* smem = reinterpret_cast<bf16*>(smem_raw);
-  const int2 tile = a.tiles[blockIdx.y];
-  const int e = tile.x, s0 = tile.y;
   // A split src takes two token rows per slot: hi planes in rows [0, half), lo planes in [half, kTokens); the
   // epilogue adds the two accumulators (x·W = hi·W + lo·W) before the activation.
   const bool split = a.src_lo != 0;
@@ -379,6 +376,35 @@ __global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
     __syncthreads();
     if (tid == 0) atomicAdd(a.tile_done + blockIdx.y, 1);
   }
+}
+
+// Gate/up (kGlu) then down, back to back. The down CTAs of a token tile start as soon as that tile's gate/up
+// CTAs are done (a counter per tile) rather than when all are: the down kernel, launched early (PDL), fills the
+// SMs that the gate/up kernel's last wave leaves idle.
+// Wide (a shape of as many threads and rows, more tokens and fewer stages; S itself: none) takes the tiles of the
+// experts with more pairs than S holds: one CTA streams their weights once instead of one CTA per S-sized tile.
+template <bool kGlu, class S, class Wide>
+__global__ __launch_bounds__(S::kThreads) void ExpertTileKernel(TileArgs a) {
+  static_assert(Wide::kThreads == S::kThreads && Wide::kRows == S::kRows, "one grid for both shapes");
+  if (kGlu) {
+    PdlEnter();
+  } else {
+    PdlTrigger();  // what it reads besides h was written before the gate/up kernel started
+    if (static_cast<int>(blockIdx.y) < *a.num_tiles && threadIdx.x == 0) {
+      const int32_t* done = a.tile_done + blockIdx.y;
+      while (*reinterpret_cast<const volatile int32_t*>(done) < a.done_target) __nanosleep(256);
+      __threadfence();
+    }
+    __syncthreads();
+  }
+  if (static_cast<int>(blockIdx.y) >= *a.num_tiles) return;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const int2 tile = a.tiles[blockIdx.y];
+  const int tokens = a.src_lo != 0 ? S::kTokens / 2 : S::kTokens;  // S's tokens a tile
+  if (!std::is_same_v<S, Wide> && a.offsets[tile.x + 1] - a.offsets[tile.x] > tokens)
+    TileBody<kGlu, Wide>(a, tile.x, tile.y, smem_raw);
+  else
+    TileBody<kGlu, S>(a, tile.x, tile.y, smem_raw);
 }
 
 // ------------------------------------------------------------------------------------- packed weights
@@ -602,13 +628,19 @@ constexpr int64_t kMidTileMaxPairsPerExpert = 16;
 // does not change a row's sums (same k order, hi + lo added in the epilogue): the choice keeps batch invariance.
 using SmallTile = TileShape<8, 16, 6>;
 constexpr int64_t kSmallTileMaxPairsPerExpert = 8;
+// SmallTile's Wide shape: the experts with 9 or more pairs (5–7% of the decode step's tiles at kimi-linear-e2e, up
+// to 17 pairs on one expert) in 16-token tiles, so that their weights stream once, not once per 8 tokens. At 8 tokens
+// a tile the time follows the tiles, not the distinct experts (engine/cuda/README.md, stop 18). Five stages fit the
+// same shared memory.
+using WideTile = TileShape<8, 32, 5>;
 
-template <class S>
+template <class S, class Wide = S>
 cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStream_t stream) {
+  constexpr int kSmem = std::max(S::kSmem, Wide::kSmem);
   static const cudaError_t attr = [] {
     constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    cudaError_t err = cudaFuncSetAttribute(ExpertTileKernel<true, S>, kAttr, S::kSmem);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertTileKernel<false, S>, kAttr, S::kSmem);
+    cudaError_t err = cudaFuncSetAttribute(ExpertTileKernel<true, S, Wide>, kAttr, kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertTileKernel<false, S, Wide>, kAttr, kSmem);
     return err;
   }();
   if (attr != cudaSuccess) return attr;
@@ -619,11 +651,11 @@ cudaError_t RunTiled(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   if (max_tiles > 65535) return cudaErrorInvalidValue;
   TileArgs t = GateUpArgs(a, b);
   dim3 grid(static_cast<unsigned>((a.I + S::kRows / 2 - 1) / (S::kRows / 2)), static_cast<unsigned>(max_tiles));
-  K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<true, S>, grid, S::kThreads, S::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<true, S, Wide>, grid, S::kThreads, kSmem, stream, t));
   ToDown(a, b, &t);
   t.done_target = static_cast<int>(grid.x);
   grid.x = static_cast<unsigned>((a.D + S::kRows - 1) / S::kRows);
-  K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<false, S>, grid, S::kThreads, S::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(ExpertTileKernel<false, S, Wide>, grid, S::kThreads, kSmem, stream, t));
   return cudaGetLastError();
 }
 
@@ -772,7 +804,7 @@ cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_expert
                        int32_t* slot_pair, int32_t* pair_slot, cudaStream_t stream) {
   if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > kMaxPermuteExperts)
     return cudaErrorInvalidValue;
-  return Permute(num_pairs, idx, num_experts, counts, offsets, slot_pair, pair_slot, Tile::kTokens, nullptr, nullptr,
+  return Permute(num_pairs, idx, num_experts, counts, offsets, slot_pair, pair_slot, Tile::kTokens, 0, nullptr, nullptr,
                  nullptr, nullptr, stream);
 }
 
@@ -800,13 +832,14 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
                           : split ? Tile::kTokens / 2
                                   : Tile::kTokens;
   const bool listed = tiled || wgmma;  // the kernels that take the tile list
-  cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, tile_tokens,
+  const int wide_tokens = tiled && small ? WideTile::kTokens / 2 : 0;
+  cudaError_t err = Permute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, tile_tokens, wide_tokens,
                             listed ? b.tiles : nullptr, b.tile_done, listed ? b.num_tiles : nullptr, a.experts_hit,
                             stream);
   if (err == cudaSuccess)
     err = wgmma   ? RunWgmma(a, b, stream)
           : !tiled ? RunCublas(a, b, stream)
-          : small ? RunTiled<SmallTile>(a, b, stream)
+          : small ? RunTiled<SmallTile, WideTile>(a, b, stream)
           : mid   ? RunTiled<MidTile>(a, b, stream)
                   : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;

@@ -297,6 +297,17 @@ std::vector<std::pair<std::string, Routing>> Routings(int64_t E) {
     Routing r{40, 1, std::vector<int32_t>(40, 0), weights(40)};
     v.emplace_back("40 on one expert", r);
   }
+  {  // decode-like on the split path (at most 8 pairs per expert on average): expert 0 with 20 pairs, expert 1 with
+     // 12 (16-token wide tiles: 16 + 4 and 12), the rest 4–5 (8-token tiles)
+    Routing r{24, 3, {}, {}};
+    for (int64_t n = 0; n < r.N; ++n) {
+      r.idx.push_back(n < 20 ? 0 : static_cast<int32_t>(2 + n % (E - 2)));
+      r.idx.push_back(n < 12 ? 1 : static_cast<int32_t>(2 + (n + 3) % (E - 2)));
+      r.idx.push_back(static_cast<int32_t>(2 + (n + 5) % (E - 2)));
+    }
+    r.w = weights(r.N * r.k);
+    v.emplace_back("decode-like, wide tiles", r);
+  }
   {  // a token with no pair here, and skewed counts
     Routing r{65, 3, {}, {}};
     for (int64_t n = 0; n < r.N; ++n)
