@@ -7,6 +7,7 @@
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -108,256 +109,249 @@ __global__ __launch_bounds__(kThreads) void PrepKernel(MlaDims s, Sums x, const 
   StoreSplit(dst, lo, x.At(n, i));
 }
 
-// Absorbed attention on the tensor cores (flash decoding). A CTA takes one token, 32 heads (two 16-row MMA blocks,
-// the MMA's M; heads past nh are zero rows) and one of Splits(L) contiguous runs of 32-row cache tiles; a merge pass
-// combines the runs. The split is a function of the token's own length only, so a token's result does not depend
-// on the batch: runs of at least kTilesPerSplit tiles (a CTA's fixed cost — the query, the partials — is worth a
-// few tiles; at 64 tokens of 513 two runs make one wave of CTAs), at most kMaxSplits of them. Per tile: S = Q·Cᵀ
-// (warp w: head block w / 4, all 32 cache rows, a quarter of the k-steps — its query fragments stay in registers
-// for the whole run, as hi + lo: two MMAs per cache fragment, so scores keep ~16 bits of q; the four quarters are
-// added in order by the softmax), an online softmax over the 32 scores of each head, then acc += P·C[:, :r] (P as
-// split hi + lo; warp w: its head block, column pairs w % 4, w % 4 + 4, ...). Both head blocks read each cache tile
-// from shared memory, so the cache streams from memory once (with 16 heads a CTA it was read twice: 1.7 TB/s of
-// it). Tiles arrive through a three-stage cp.async ring (two in flight); rows are padded so that the fragment loads
-// are free of bank conflicts. (With each warp taking 8 cache rows and every k-step, the query fragments were read
-// from shared memory again on every tile: 2.5× the tile's own traffic, 40 µs a decode at kimi-linear-e2e.)
-constexpr int kHeads = 16;              // heads per MMA block: the MMA's M
-constexpr int kBlocks = 2;              // MMA head blocks per CTA
-constexpr int kCtaHeads = kHeads * kBlocks;
-constexpr int kDecodeThreads = 128 * kBlocks;  // four warps per head block
-constexpr int kRows = 32;               // cache rows per tile: one 8-row n-tile per warp of a block
-constexpr int kStages = 3;              // cache tiles in the ring
+// Absorbed attention on the tensor cores (flash decoding, wgmma). A CTA takes one token, 32 heads and one of
+// Splits(L) contiguous runs of 32-row cache tiles (a merge pass combines the runs); its two warpgroups take the
+// first and second half of the run, each with its own two-stage cp.async ring and online softmax, and warpgroup 0
+// merges the halves at the end. The split is a function of the token's own length only, so a token's result does
+// not depend on the batch: runs of at least kTilesPerSplit tiles, at most kMaxSplits of them (at 64 tokens of 513,
+// two runs: one wave of CTAs).
+// Per tile and warpgroup:
+//   S = Q · Cᵀ (m64n32, k over cw): Q's 64 rows are, per warp w, the hi rows of heads 8w..8w+7 then their lo rows,
+//     so a thread holds a head's hi and lo scores of the same cache rows and adds them (scores keep ~16 bits of q);
+//   the online softmax of its head over the tile, in registers (a head's 32 scores over a quad);
+//   Oᵀ += Cᵀ · Pᵀ (m64n32 per 64 context columns, k over the tile's rows twice: P's hi, then its lo): the cache tile
+//     is read in place as the MN-major A operand, P through a 4 KB swizzled tile.
+// Both products read Q and the cache from shared memory, so the cache streams from memory once for the 32 heads.
+// (The mma.sync kernel before it: 36 µs at kimi-linear-e2e, latency-bound at 8 warps an SM.)
+constexpr int kCtaHeads = 32;
+constexpr int kRows = 32;             // cache rows per tile: the scores' N, the context product's k (hi and lo)
 constexpr int kTilesPerSplit = 12;
-constexpr int kMaxSplits = 8;        // CTAs per (token, 32 heads)
-constexpr int kMaxPairs = 8;         // column pairs (16 columns) per warp: r ≤ 4 · 8 · 16 = 512
-constexpr int kPld = kRows + 8;      // P row stride (bf16)
-constexpr int kSld = kRows + 4;      // S row stride (fp32): the quarters' float2 stores free of bank conflicts
-constexpr int64_t kMaxCw = 576;      // smem grows with cw: at 576 it is 204 KB, one CTA (8 warps) per SM
-constexpr int kQuarters = 4;         // warps of a head block, each taking a quarter of the score's k-steps
-constexpr int kMaxQSteps = kMaxCw / 16 / kQuarters;  // k-steps a warp's query fragments cover
-
-static_assert(kDecodeThreads == kCtaHeads * 8, "the softmax: 8 threads per head");
-static_assert(kMaxCw % (16 * kQuarters) == 0, "the query's k-steps split in quarters");
+constexpr int kMaxSplits = 8;         // CTAs per (token, 32 heads)
+constexpr int64_t kMaxCw = 576;       // nine 64-column atoms: 226 KB of shared memory, one CTA per SM
+constexpr int kMaxBlocks = 8;         // 64-column blocks of the context: r ≤ 512
+constexpr int kDecodeThreads = 256;   // two warpgroups
+constexpr int kQAtomBytes = 2 * kCtaHeads * wgmma::kRowBytes;  // Q's atom: 64 rows (hi and lo) of 128 bytes
+constexpr int kTileAtomBytes = kRows * wgmma::kRowBytes;       // a cache tile's atom: 32 rows
+constexpr int kPBytes = kCtaHeads * wgmma::kRowBytes;         // Pᵀ: 32 heads × (32 hi + 32 lo rows)
 
 __host__ __device__ inline int64_t Splits(int64_t L) {
   const int64_t tiles = (L + kRows - 1) / kRows, runs = (tiles + kTilesPerSplit - 1) / kTilesPerSplit;
   return runs < 1 ? 1 : runs > kMaxSplits ? kMaxSplits : runs;
 }
 
+// Shared memory (byte offsets from a 1024-aligned base, the swizzle's period): Q [atoms][64][64], the rings
+// [warpgroup][stage][atoms][32][64], Pᵀ [warpgroup][32][64], then corr, m and l [warpgroup][32] (fp32).
 struct DecodeLayout {
-  int cwp, ldc;  // cw rounded up to 16; row stride of Q and cache tiles (bf16), ≡ 8 mod 16
-  __host__ __device__ explicit DecodeLayout(int64_t cw) : cwp(static_cast<int>((cw + 15) / 16 * 16)), ldc(cwp + 8) {}
-  __host__ __device__ size_t q_elems() const { return size_t{2} * kCtaHeads * ldc; }  // hi, lo
-  __host__ __device__ size_t c_elems() const { return size_t{kStages} * kRows * ldc; }
-  // Then P (bf16, hi and lo), S's quarters [kQuarters][kCtaHeads][kSld] and m, l, corr (fp32).
-  __host__ __device__ size_t bytes() const {
-    return (q_elems() + c_elems() + 2 * kCtaHeads * kPld) * sizeof(__nv_bfloat16) +
-           (kQuarters * kCtaHeads * kSld + 3 * kCtaHeads) * sizeof(float);
-  }
+  int atoms;  // 64-column atoms of a cache row (cw rounded up; the padding is zeros)
+  __host__ __device__ explicit DecodeLayout(int64_t cw) : atoms(static_cast<int>((cw + 63) / 64)) {}
+  __host__ __device__ int tile_bytes() const { return atoms * kTileAtomBytes; }
+  __host__ __device__ int ring() const { return atoms * kQAtomBytes; }
+  __host__ __device__ int stage(int wg, int st) const { return ring() + (2 * wg + st) * tile_bytes(); }
+  __host__ __device__ int p(int wg) const { return ring() + 4 * tile_bytes() + wg * kPBytes; }
+  __host__ __device__ int floats() const { return p(2); }
+  __host__ __device__ size_t bytes() const { return 1024 + floats() + 3 * 2 * kCtaHeads * sizeof(float); }
 };
 
-// The 16×16 A fragment at column k0 of a row-major bf16 [16][ld] tile in smem (ptx.cuh's layout): one
-// ldmatrix (the QK loop issues two per k-step; eight 32-bit loads made it instruction bound). The row strides
-// used here (≡ 8 mod 16) keep rows on 16 bytes and the eight rows of a matrix on distinct banks.
-__device__ __forceinline__ void LoadFragA(uint32_t (&a)[4], const __nv_bfloat16* tile, int ld, int k0, int lane) {
-  ptx::LdMatrixX4(a, ptx::FragA(tile, ld, 0, k0, lane));
+// The warpgroup's own barrier (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void WarpgroupSync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
 
 // Partials of run g of (token n, head h): acc [N][nh][kMaxSplits][r] (unnormalized), ml [N][nh][kMaxSplits]
 // {max, sum}. qa: the absorbed query [N][nh][cw], split.
-__global__ __launch_bounds__(kDecodeThreads) void DecodeMmaKernel(MlaDims s, Split qa, const __nv_bfloat16* cache,
-                                                                   int64_t max_ctx, const int32_t* tok_slot,
-                                                                   const int32_t* tok_pos, float scale, float* part_acc,
-                                                                   float2* part_ml) {
+__global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, Split qa, const __nv_bfloat16* cache,
+                                                                      int64_t max_ctx, const int32_t* tok_slot,
+                                                                      const int32_t* tok_pos, float scale,
+                                                                      float* part_acc, float2* part_ml) {
   PdlEnter();
   using bf16 = __nv_bfloat16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
-  const int hb = warp >> 2, lw = warp & 3;  // this warp's head block, its warp within the block
+  unsigned char* base =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, warp = t128 >> 5, lane = tid & 31;
+  const int gid = lane >> 2, tig = lane & 3, c8 = tid & 7;  // c8: the 16-byte chunk this thread copies
   const int64_t head_tiles = (s.nh + kCtaHeads - 1) / kCtaHeads;
   const int64_t n = blockIdx.x / head_tiles, h0 = blockIdx.x % head_tiles * kCtaHeads, g = blockIdx.y;
-  const int cw = static_cast<int>(s.cw()), r = static_cast<int>(s.r);
+  const int cw = static_cast<int>(s.cw()), r = static_cast<int>(s.r), chunks = cw / 8;
   const DecodeLayout lay(cw);
-  const int ldc = lay.ldc, cwp = lay.cwp;
-  bf16* q_s = reinterpret_cast<bf16*>(smem_raw);    // [2][kCtaHeads][ldc]
-  bf16* c_s = q_s + lay.q_elems();                  // [kStages][kRows][ldc]
-  bf16* p_s = c_s + lay.c_elems();                  // [2][kCtaHeads][kPld]
-  float* s_s = reinterpret_cast<float*>(p_s + 2 * kCtaHeads * kPld);  // [kQuarters][kCtaHeads][kSld]
-  float* m_s = s_s + kQuarters * kCtaHeads * kSld;
-  float* l_s = m_s + kCtaHeads;
-  float* corr_s = l_s + kCtaHeads;
+  const int atoms = lay.atoms, blocks = (r + 63) / 64;
+  float* corr_s = reinterpret_cast<float*>(base + lay.floats());  // [2][32]
+  float* m_s = corr_s + 2 * kCtaHeads;
+  float* l_s = m_s + 2 * kCtaHeads;
 
   const int64_t L = int64_t{tok_pos[n]} + 1, tiles = (L + kRows - 1) / kRows, splits = Splits(L);
   if (g >= splits) return;
   const int64_t per = (tiles + splits - 1) / splits, t_begin = g * per, t_end = min(tiles, t_begin + per);
+  const int64_t mid = t_begin + max(int64_t{0}, t_end - t_begin + 1) / 2;
+  const int64_t w_begin = wg == 0 ? t_begin : mid, w_end = wg == 0 ? min(mid, t_end) : t_end;
   const bf16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
-  const int chunks = cw / 8;  // 16-byte chunks per cache row
 
-  // A warp copies rows warp, warp + 8, ...; its lanes the row's 16-byte chunks (no divisions: they were most
-  // of this kernel's instructions). One copy group per tile (empty past the run), so a wait for "all but the
-  // last two groups" always means this tile.
-  auto load_tile = [&](int64_t t, int stage) {
-    if (t < t_end) {
-      bf16* dst = c_s + stage * kRows * ldc;
-      for (int row = warp; row < kRows; row += kDecodeThreads / 32) {
+  // Q: row 16w + i is head 8w + i's hi row (i < 8), row 16w + 8 + i its lo row; heads past nh and the padding
+  // columns are zeros. Two rows and every atom per thread.
+  for (int row = tid >> 3; row < 2 * kCtaHeads; row += kDecodeThreads / 8) {
+    const int head = 8 * (row >> 4) + (row & 7);
+    const bool valid = h0 + head < s.nh;
+    const bf16* src = qa.p + ((row & 8) ? qa.lo : 0) + (n * s.nh + (valid ? h0 + head : 0)) * cw;
+    for (int a = 0; a < atoms; ++a) {
+      const int ch = 8 * a + c8;
+      const bool ok = valid && ch < chunks;
+      ptx::CpAsync16(base + a * kQAtomBytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
+    }
+  }
+  ptx::CpAsyncCommit();
+  // A tile: rows past L and the padding columns are zeros (so that P's zeros never meet garbage).
+  auto load_tile = [&](int64_t t, int st) {
+    if (t < w_end) {
+      unsigned char* dst = base + lay.stage(wg, st);
+      for (int row = t128 >> 3; row < kRows; row += 16) {
         const int64_t j = t * kRows + row;
         const bool valid = j < L;
         const bf16* src = C + (valid ? j : 0) * cw;
-        for (int ch = lane; ch < chunks; ch += 32)
-          ptx::CpAsync16(dst + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
+        for (int a = 0; a < atoms; ++a) {
+          const int ch = 8 * a + c8;
+          const bool ok = valid && ch < chunks;
+          ptx::CpAsync16(dst + a * kTileAtomBytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
+        }
       }
     }
     ptx::CpAsyncCommit();
   };
-  // The query's hi rows (heads h0..h0+31), then its lo rows, in the first tile's copy group; heads past nh are
-  // zeros, and so are the padding columns of Q and of every cache stage.
+  load_tile(w_begin, 0);
+  ptx::CpAsyncWaitGroup<1>();  // this thread's part of Q
+  wgmma::FenceProxyAsync();
+  __syncthreads();
+
+  const uint32_t q_addr = ptx::SmemAddr(base), p_addr = ptx::SmemAddr(base + lay.p(wg));
+  const int head = 8 * warp + gid;  // the head of this thread's scores
+  bf16* p_row = reinterpret_cast<bf16*>(base + lay.p(wg)) + head * 64;
+  float o[kMaxBlocks][16];  // Oᵀ: context column 64b + 16·warp + gid (+ 8: regs 4j + 2, + 3), head 8j + 2tig (+ 1)
+#pragma unroll
+  for (int b = 0; b < kMaxBlocks; ++b)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o[b][i] = 0.0f;
+  float m_run = -INFINITY, l_run = 0.0f;
+  int st = 0;
+  for (int64_t t = w_begin; t < w_end; ++t, st ^= 1) {
+    load_tile(t + 1, st ^ 1);  // the other stage: its last reader, the previous tile's context product, is done
+    ptx::CpAsyncWaitGroup<1>();
+    wgmma::FenceProxyAsync();
+    WarpgroupSync(wg);
+    const uint32_t c_addr = ptx::SmemAddr(base + lay.stage(wg, st));
+
+    float sc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sc[i] = 0.0f;
+    wgmma::FenceRegs(sc);
+    wgmma::Fence();
+    for (int k = 0; k < 4 * atoms; ++k) {
+      const int off = (k >> 2) * kQAtomBytes, coff = (k >> 2) * kTileAtomBytes, kb = 32 * (k & 3);
+      wgmma::Mma32<0>(sc, wgmma::Desc(q_addr + off + kb), wgmma::Desc(c_addr + coff + kb));
+    }
+    wgmma::Commit();
+    wgmma::Wait<0>();
+    wgmma::FenceRegs(sc);
+
+    // Online softmax of this thread's head over the tile's rows 8j + 2tig (+ 1) (a tile's first row is valid).
+    float v[8], mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = (sc[4 * j + e] + sc[4 * j + 2 + e]) * scale;
+        v[2 * j + e] = t * kRows + 8 * j + 2 * tig + e < L ? x : -INFINITY;
+        mx = fmaxf(mx, v[2 * j + e]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx), corr = expf(m_run - m_new);  // 0 on the first tile (m_run = −inf)
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p0 = expf(v[2 * j] - m_new), p1 = expf(v[2 * j + 1] - m_new);  // masked rows: exp(−inf) = 0
+      sum += p0 + p1;
+      const bf16 h0b = __float2bfloat16_rn(p0), h1b = __float2bfloat16_rn(p1);
+      const uint32_t hi = ptx::PackBf16(__bfloat162float(h0b), __bfloat162float(h1b));
+      const uint32_t lo = ptx::PackBf16(p0 - __bfloat162float(h0b), p1 - __bfloat162float(h1b));
+      // Pᵀ row `head`, k = 8j + 2tig (hi) and 32 + 8j + 2tig (lo), swizzled.
+      *reinterpret_cast<uint32_t*>(p_row + ((j ^ (head & 7)) << 3) + 2 * tig) = hi;
+      *reinterpret_cast<uint32_t*>(p_row + (((4 + j) ^ (head & 7)) << 3) + 2 * tig) = lo;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    l_run = l_run * corr + sum, m_run = m_new;
+    if (tig == 0) corr_s[wg * kCtaHeads + head] = corr;
+    wgmma::FenceProxyAsync();
+    WarpgroupSync(wg);
+
+    float cr[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) cr[2 * j + e] = corr_s[wg * kCtaHeads + 8 * j + 2 * tig + e];
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) o[b][4 * j + e] *= cr[2 * j + e], o[b][4 * j + 2 + e] *= cr[2 * j + e];
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b) wgmma::FenceRegs(o[b]);
+    wgmma::Fence();
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (b < blocks) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)  // rows 0–15, 16–31 against P's hi, then again against its lo
+          wgmma::Mma32<1>(o[b], wgmma::DescMn(c_addr + b * kTileAtomBytes + 2048 * (k & 1)),
+                          wgmma::Desc(p_addr + 32 * k));
+      }
+    wgmma::Commit();
+    wgmma::Wait<0>();
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b) wgmma::FenceRegs(o[b]);
+    WarpgroupSync(wg);  // the stage, Pᵀ and corr are free for the next tile
+  }
+  ptx::CpAsyncWaitAll();  // nothing in flight (the empty groups past the run)
+
+  // Warpgroup 1 hands its (m, l, Oᵀ) to warpgroup 0 through its ring (blocks · 8 KB ≤ its 2 · atoms · 4 KB).
+  if (tig == 0) m_s[wg * kCtaHeads + head] = m_run, l_s[wg * kCtaHeads + head] = l_run;
+  float* handoff = reinterpret_cast<float*>(base + lay.stage(1, 0));
+  if (wg == 1) {
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (b < blocks)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) handoff[(b * 16 + i) * 128 + t128] = o[b][i];
+  }
+  __syncthreads();
+  if (wg == 1) return;
+  float w0[8], w1[8];  // the halves' weights for heads 8j + 2tig + e
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int h = 8 * (i >> 1) + 2 * tig + (i & 1);
+    const float m0 = m_s[h], m1 = m_s[kCtaHeads + h], M = fmaxf(m0, m1);
+    w0[i] = l_s[h] > 0.0f ? expf(m0 - M) : 0.0f;
+    w1[i] = l_s[kCtaHeads + h] > 0.0f ? expf(m1 - M) : 0.0f;
+  }
   if (t_begin < t_end) {
-    for (int row = warp; row < 2 * kCtaHeads; row += kDecodeThreads / 32) {
-      const int h = row % kCtaHeads;
-      const bool valid = h0 + h < s.nh;
-      const bf16* src = qa.p + (row >= kCtaHeads ? qa.lo : 0) + (n * s.nh + (valid ? h0 + h : 0)) * cw;
-      for (int ch = lane; ch < chunks; ch += 32) ptx::CpAsync16(q_s + row * ldc + ch * 8, src + ch * 8, valid ? 16 : 0);
-    }
-  }
-  load_tile(t_begin, 0);
-  load_tile(t_begin + 1, 1);
-  for (int i = tid; i < 2 * kCtaHeads * (cwp - cw); i += kDecodeThreads)
-    q_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
-  for (int i = tid; i < kStages * kRows * (cwp - cw); i += kDecodeThreads)
-    c_s[(i / (cwp - cw)) * ldc + cw + i % (cwp - cw)] = __float2bfloat16_rn(0.0f);
-  if (tid < kCtaHeads) m_s[tid] = kNegInf, l_s[tid] = 0.0f;
-
-  const int pairs = r / 16;
-  // This warp's k-steps of the score: [k_first, k_first + k_count).
-  const int k_quarter = (cwp / 16 + kQuarters - 1) / kQuarters, k_first = lw * k_quarter;
-  const int k_count = max(0, min(cwp / 16 - k_first, k_quarter));
-  uint32_t qh[kMaxQSteps][4], ql[kMaxQSteps][4];  // loaded at the first tile, when the query has arrived
-  float acc[kMaxPairs][2][4] = {};
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const int stage = static_cast<int>((t - t_begin) % kStages);
-    load_tile(t + 2, (stage + 2) % kStages);  // into the stage the previous tile used (freed by its last barrier)
-    ptx::CpAsyncWaitGroup<2>();
-    __syncthreads();
-    const bf16* ct = c_s + stage * kRows * ldc;
-    if (t == t_begin) {
 #pragma unroll
-      for (int i = 0; i < kMaxQSteps; ++i)
-        if (i < k_count) {
-          LoadFragA(qh[i], q_s + hb * kHeads * ldc, ldc, (k_first + i) * 16, lane);
-          LoadFragA(ql[i], q_s + (kCtaHeads + hb * kHeads) * ldc, ldc, (k_first + i) * 16, lane);
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (b < blocks)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int j = i >> 2, e = i & 1, h = 8 * j + 2 * tig + e;
+          const int c = 64 * b + 16 * warp + gid + ((i & 2) ? 8 : 0);
+          if (c < r && h0 + h < s.nh)
+            part_acc[((n * s.nh + h0 + h) * kMaxSplits + g) * r + c] =
+                o[b][i] * w0[2 * j + e] + handoff[(b * 16 + i) * 128 + t128] * w1[2 * j + e];
         }
-    }
-
-    // This warp's quarter of S for its 16 heads and the tile's four 8-row n-tiles: c0/c1 = (head 16hb + gid,
-    // rows 8nt + 2tig, +1), c2/c3 = head + 8; hi and lo in separate accumulators (eight chains of k_count).
-    {
-      float sc[4][4] = {}, sc_lo[4][4] = {};
-#pragma unroll
-      for (int i = 0; i < kMaxQSteps; ++i)
-        if (i < k_count) {
-          const bf16* bk = ct + gid * ldc + (k_first + i) * 16 + 2 * tig;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(bk + nt * 8 * ldc);
-            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(bk + nt * 8 * ldc + 8);
-            ptx::Mma(sc[nt], qh[i], b0, b1);
-            ptx::Mma(sc_lo[nt], ql[i], b0, b1);
-          }
-        }
-      float* sq = s_s + (lw * kCtaHeads + hb * kHeads + gid) * kSld + 2 * tig;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        *reinterpret_cast<float2*>(sq + nt * 8) = make_float2(sc[nt][0] + sc_lo[nt][0], sc[nt][1] + sc_lo[nt][1]);
-        *reinterpret_cast<float2*>(sq + 8 * kSld + nt * 8) =
-            make_float2(sc[nt][2] + sc_lo[nt][2], sc[nt][3] + sc_lo[nt][3]);
-      }
-    }
-    __syncthreads();
-
-    // Online softmax: 8 threads per head, 4 scores each, the quarters added in order (a tile's first row is always
-    // valid).
-    const int hr = hb * kHeads + gid;
-    {
-      const int h = tid >> 3, c0 = (tid & 7) * 4;
-      const int64_t j0 = t * kRows + c0;
-      float4 sq = *reinterpret_cast<const float4*>(s_s + h * kSld + c0);
-#pragma unroll
-      for (int q = 1; q < kQuarters; ++q) {
-        const float4 o = *reinterpret_cast<const float4*>(s_s + (q * kCtaHeads + h) * kSld + c0);
-        sq.x += o.x, sq.y += o.y, sq.z += o.z, sq.w += o.w;
-      }
-      float v[4] = {sq.x, sq.y, sq.z, sq.w}, mx = kNegInf;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[i] = j0 + i < L ? v[i] * scale : kNegInf;
-        mx = fmaxf(mx, v[i]);
-      }
-      for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_old = m_s[h], m_new = fmaxf(m_old, mx), sum_old = l_s[h];
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float p = expf(v[i] - m_new);  // masked rows: exp(−inf) = 0
-        sum += p;
-        const bf16 hi = __float2bfloat16_rn(p);
-        p_s[h * kPld + c0 + i] = hi;
-        p_s[(kCtaHeads + h) * kPld + c0 + i] = __float2bfloat16_rn(p - __bfloat162float(hi));
-      }
-      for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if ((tid & 7) == 0) {
-        const float c = expf(m_old - m_new);  // 0 on the first tile (m_old = −inf)
-        corr_s[h] = c, l_s[h] = sum_old * c + sum, m_s[h] = m_new;
-      }
-    }
-    __syncthreads();
-
-    // acc = acc · corr + P · V over this tile's 32 rows (two k-steps).
-    const float cr0 = corr_s[hr], cr1 = corr_s[hr + 8];
-#pragma unroll
-    for (int pi = 0; pi < kMaxPairs; ++pi)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) acc[pi][u][0] *= cr0, acc[pi][u][1] *= cr0, acc[pi][u][2] *= cr1, acc[pi][u][3] *= cr1;
-#pragma unroll
-    for (int kk = 0; kk < kRows; kk += 16) {
-      uint32_t ah[4], al[4];
-      LoadFragA(ah, p_s + hb * kHeads * kPld, kPld, kk, lane);
-      LoadFragA(al, p_s + (kCtaHeads + hb * kHeads) * kPld, kPld, kk, lane);
-#pragma unroll
-      for (int pi = 0; pi < kMaxPairs; ++pi) {
-        const int pair = lw + 4 * pi;
-        if (pair < pairs) {
-          uint32_t b[4];
-          ptx::LdMatrixX4Trans(b, ptx::FragBT(ct, ldc, kk, pair * 16, lane));
-          ptx::Mma(acc[pi][0], ah, b[0], b[1]);
-          ptx::Mma(acc[pi][0], al, b[0], b[1]);
-          ptx::Mma(acc[pi][1], ah, b[2], b[3]);
-          ptx::Mma(acc[pi][1], al, b[2], b[3]);
-        }
-      }
-    }
-    __syncthreads();  // before the next tile's loads and scores overwrite this stage, S and P
   }
-  ptx::CpAsyncWaitAll();  // nothing in flight at exit (the empty groups past the run)
-
-  // Partials: rows gid / gid + 8 of the warp's block are heads h0 + 16hb + gid / + 8; columns pair·16 + u·8 + 2tig.
-  const int64_t base = (n * s.nh + h0 + hb * kHeads) * kMaxSplits + g;
-#pragma unroll
-  for (int pi = 0; pi < kMaxPairs; ++pi) {
-    const int pair = lw + 4 * pi;
-    if (pair >= pairs || t_begin >= t_end) continue;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int c = pair * 16 + u * 8 + 2 * tig;
-      if (h0 + hb * kHeads + gid < s.nh)
-        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid} * kMaxSplits) * r + c) =
-            make_float2(acc[pi][u][0], acc[pi][u][1]);
-      if (h0 + hb * kHeads + gid + 8 < s.nh)
-        *reinterpret_cast<float2*>(part_acc + (base + int64_t{gid + 8} * kMaxSplits) * r + c) =
-            make_float2(acc[pi][u][2], acc[pi][u][3]);
-    }
+  if (tid < kCtaHeads && h0 + tid < s.nh) {
+    const float m0 = m_s[tid], m1 = m_s[kCtaHeads + tid], l0 = l_s[tid], l1 = l_s[kCtaHeads + tid];
+    const float M = fmaxf(m0, m1);
+    const float l = (l0 > 0.0f ? l0 * expf(m0 - M) : 0.0f) + (l1 > 0.0f ? l1 * expf(m1 - M) : 0.0f);
+    part_ml[(n * s.nh + h0 + tid) * kMaxSplits + g] = make_float2(M, l);
   }
-  if (tid < kCtaHeads && h0 + tid < s.nh)
-    part_ml[(n * s.nh + h0 + tid) * kMaxSplits + g] = make_float2(m_s[tid], l_s[tid]);
 }
 
 // ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the token's runs that had rows (l_g > 0), in g order.
@@ -460,9 +454,9 @@ cudaError_t MlaTransposeUk(const MlaDims& s, const __nv_bfloat16* kv_b, __nv_bfl
   return cudaGetLastError();
 }
 
-// 16-byte cache rows, 16-column pairs over r, the kernel's smem sized for cw ≤ 576.
+// 16-byte cache rows, r in 16-column steps up to eight 64-column blocks, the kernel's smem sized for cw ≤ 576.
 bool MlaDecodeSupported(const MlaDims& s) {
-  return s.nh > 0 && s.cw() % 8 == 0 && s.cw() <= kMaxCw && s.r % 16 == 0 && s.r <= 4 * kMaxPairs * 16;
+  return s.nh > 0 && s.cw() % 8 == 0 && s.cw() <= kMaxCw && s.r % 16 == 0 && s.r <= 64 * kMaxBlocks;
 }
 
 size_t MlaDecodeWorkspaceBytes(const MlaDims& s, int64_t N) {

@@ -35,6 +35,19 @@ __device__ __forceinline__ uint64_t Desc(uint32_t addr) {
          (uint64_t{1} << 62);
 }
 
+// Descriptor of an MN-major, 128-byte-swizzled tile (`imm-trans` set: the M or N index runs along the 128-byte rows,
+// k down them; rows of 64 M values, eight-k groups 1024 bytes apart, + 2048 per k16 step). m64 takes one row width,
+// so the leading offset (to the next 64 M values) is unused.
+__device__ __forceinline__ uint64_t DescMn(uint32_t addr) {
+#ifdef K3_WGMMA_MN_SWAP
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1024 >> 4} << 16) | (uint64_t{1} << 32) |
+         (uint64_t{1} << 62);
+#else
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+#endif
+}
+
 // Before the first MMA that reads registers written by other instructions (the zeroed accumulators).
 __device__ __forceinline__ void Fence() { K3_WGMMA_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void Commit() { K3_WGMMA_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -133,6 +146,20 @@ struct Ring {
 // 128 (the LM head's); other widths: branch linear-stream.
 template <int N>
 __device__ void Mma(float (&d)[N / 2], uint64_t a, uint64_t b);
+
+// d (16 fp32 per thread) += A · Bᵀ (m64n32k16); kTransA: A MN-major (DescMn), else K-major. MLA's decode.
+template <int kTransA>
+__device__ __forceinline__ void Mma32(float (&d)[16], uint64_t a, uint64_t b) {
+  K3_WGMMA_ASM(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7,"
+      "%8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(1), "n"(kTransA)
+      : "memory");
+}
 
 template <>
 __device__ __forceinline__ void Mma<128>(float (&d)[64], uint64_t a, uint64_t b) {
