@@ -110,46 +110,48 @@ __global__ __launch_bounds__(kThreads) void PrepKernel(MlaDims s, Sums x, const 
 }
 
 // Absorbed attention on the tensor cores (flash decoding, wgmma). A CTA takes one token, 32 heads and one of
-// Splits(L) contiguous runs of 32-row cache tiles; a merge pass combines the runs. The split is a function of the
-// token's own length only, so a token's result does not depend on the batch: runs of at least kTilesPerSplit
-// tiles, at most kMaxSplits of them (at 64 tokens of 513, two runs: one wave of CTAs).
-// The query lives in registers, so that shared memory holds a deep ring of cache tiles (kStages − 1 in flight:
-// with one tile in flight per warpgroup the decode ran at 1.3 TB/s). Per tile, the two warpgroups split the work:
-//   S = Q · Cᵀ (m64n32): warpgroup w over half of the k-steps, its query fragments in registers; the halves are
-//     added through shared memory in one order, so both warpgroups hold the same S. Q's 64 rows are, per warp,
-//     the hi rows of heads 8w..8w+7 then their lo rows: a thread adds a head's hi and lo scores (~16 bits of q);
-//   the online softmax of a thread's head over the tile in registers (a head's 32 scores over a quad), the same
-//     in both warpgroups;
-//   Oᵀ += Cᵀ · Pᵀ (m64n32 per 64 context columns, k over the tile's rows twice: P's hi, then its lo): warpgroup w
-//     takes the column blocks w, w + 2, ...; the cache tile is read in place as the MN-major A operand.
+// Splits(L) contiguous runs of 32-row cache tiles (a merge pass combines the runs); its two warpgroups take the
+// first and second half of the run, each with its own two-stage cp.async ring and online softmax, and warpgroup 0
+// merges the halves at the end. The split is a function of the token's own length only, so a token's result does
+// not depend on the batch: runs of at least kTilesPerSplit tiles, at most kMaxSplits of them (at 64 tokens of 513,
+// two runs: one wave of CTAs).
+// Per tile and warpgroup:
+//   S = Q · Cᵀ (m64n32, k over cw): Q's 64 rows are, per warp w, the hi rows of heads 8w..8w+7 then their lo rows,
+//     so a thread holds a head's hi and lo scores of the same cache rows and adds them (scores keep ~16 bits of q);
+//   the online softmax of its head over the tile, in registers (a head's 32 scores over a quad);
+//   Oᵀ += Cᵀ · Pᵀ (m64n32 per 64 context columns, k over the tile's rows twice: P's hi, then its lo): the cache tile
+//     is read in place as the MN-major A operand, P through a 4 KB swizzled tile.
+// Both products read Q and the cache from shared memory, so the cache streams from memory once for the 32 heads.
+// At kimi-linear-e2e's decode (64 tokens of ~530 rows, 40 MB) it takes 29 µs alone, where the mma.sync kernel
+// before it took 36. Neither a deeper ring (the query in registers, five stages: 33 µs) nor L2 prefetch of the tiles
+// ahead made it faster: what is left is per-tile latency, at one CTA an SM.
 constexpr int kCtaHeads = 32;
 constexpr int kRows = 32;             // cache rows per tile: the scores' N, the context product's k (hi and lo)
-constexpr int kStages = 5;            // cache tiles in the ring
 constexpr int kTilesPerSplit = 12;
 constexpr int kMaxSplits = 8;         // CTAs per (token, 32 heads)
-constexpr int64_t kMaxCw = 576;       // nine 64-column atoms: 205 KB of shared memory, one CTA per SM
-constexpr int kMaxHalfSteps = kMaxCw / 16 / 2;  // a warpgroup's k-steps of the score
+constexpr int64_t kMaxCw = 576;       // nine 64-column atoms: 226 KB of shared memory, one CTA per SM
 constexpr int kMaxBlocks = 8;         // 64-column blocks of the context: r ≤ 512
 constexpr int kDecodeThreads = 256;   // two warpgroups
-constexpr int kTileAtomBytes = kRows * wgmma::kRowBytes;  // a cache tile's 64-column atom: 32 rows
-constexpr int kPBytes = kCtaHeads * wgmma::kRowBytes;     // Pᵀ: 32 heads × (32 hi + 32 lo rows)
-constexpr int kSBytes = 16 * 128 * sizeof(float);         // a warpgroup's half of S, a thread's 16 values
+constexpr int kQAtomBytes = 2 * kCtaHeads * wgmma::kRowBytes;  // Q's atom: 64 rows (hi and lo) of 128 bytes
+constexpr int kTileAtomBytes = kRows * wgmma::kRowBytes;       // a cache tile's atom: 32 rows
+constexpr int kPBytes = kCtaHeads * wgmma::kRowBytes;         // Pᵀ: 32 heads × (32 hi + 32 lo rows)
 
 __host__ __device__ inline int64_t Splits(int64_t L) {
   const int64_t tiles = (L + kRows - 1) / kRows, runs = (tiles + kTilesPerSplit - 1) / kTilesPerSplit;
   return runs < 1 ? 1 : runs > kMaxSplits ? kMaxSplits : runs;
 }
 
-// Shared memory (byte offsets from a 1024-aligned base, the swizzle's period): the ring [stage][atoms][32][64],
-// Pᵀ [warpgroup][32][64], S's halves [warpgroup][16][128], corr [warpgroup][32].
+// Shared memory (byte offsets from a 1024-aligned base, the swizzle's period): Q [atoms][64][64], the rings
+// [warpgroup][stage][atoms][32][64], Pᵀ [warpgroup][32][64], then corr, m and l [warpgroup][32] (fp32).
 struct DecodeLayout {
   int atoms;  // 64-column atoms of a cache row (cw rounded up; the padding is zeros)
   __host__ __device__ explicit DecodeLayout(int64_t cw) : atoms(static_cast<int>((cw + 63) / 64)) {}
-  __host__ __device__ int stage(int st) const { return st * atoms * kTileAtomBytes; }
-  __host__ __device__ int p(int wg) const { return stage(kStages) + wg * kPBytes; }
-  __host__ __device__ int s_half(int wg) const { return p(2) + wg * kSBytes; }
-  __host__ __device__ int corr(int wg) const { return s_half(2) + wg * kCtaHeads * static_cast<int>(sizeof(float)); }
-  __host__ __device__ size_t bytes() const { return 1024 + corr(2); }
+  __host__ __device__ int tile_bytes() const { return atoms * kTileAtomBytes; }
+  __host__ __device__ int ring() const { return atoms * kQAtomBytes; }
+  __host__ __device__ int stage(int wg, int st) const { return ring() + (2 * wg + st) * tile_bytes(); }
+  __host__ __device__ int p(int wg) const { return ring() + 4 * tile_bytes() + wg * kPBytes; }
+  __host__ __device__ int floats() const { return p(2); }
+  __host__ __device__ size_t bytes() const { return 1024 + floats() + 3 * 2 * kCtaHeads * sizeof(float); }
 };
 
 // The warpgroup's own barrier (ids 1 and 2; 0 is __syncthreads).
@@ -168,96 +170,88 @@ __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* base =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  // The warpgroup through a shuffle, so ptxas sees it warp-uniform (else it serializes the MMAs: C7520).
-  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), t128 = tid & 127, warp = t128 >> 5;
-  const int lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, warp = t128 >> 5, lane = tid & 31;
+  const int gid = lane >> 2, tig = lane & 3, c8 = tid & 7;  // c8: the 16-byte chunk this thread copies
   const int64_t head_tiles = (s.nh + kCtaHeads - 1) / kCtaHeads;
   const int64_t n = blockIdx.x / head_tiles, h0 = blockIdx.x % head_tiles * kCtaHeads, g = blockIdx.y;
   const int cw = static_cast<int>(s.cw()), r = static_cast<int>(s.r), chunks = cw / 8;
   const DecodeLayout lay(cw);
-  const int atoms = lay.atoms, blocks = (r + 63) / 64, ksteps = 4 * atoms;
-  const int k_first = wg == 0 ? 0 : (ksteps + 1) / 2, k_count = wg == 0 ? (ksteps + 1) / 2 : ksteps / 2;
+  const int atoms = lay.atoms, blocks = (r + 63) / 64;
+  float* corr_s = reinterpret_cast<float*>(base + lay.floats());  // [2][32]
+  float* m_s = corr_s + 2 * kCtaHeads;
+  float* l_s = m_s + 2 * kCtaHeads;
 
   const int64_t L = int64_t{tok_pos[n]} + 1, tiles = (L + kRows - 1) / kRows, splits = Splits(L);
   if (g >= splits) return;
   const int64_t per = (tiles + splits - 1) / splits, t_begin = g * per, t_end = min(tiles, t_begin + per);
+  const int64_t mid = t_begin + max(int64_t{0}, t_end - t_begin + 1) / 2;
+  const int64_t w_begin = wg == 0 ? t_begin : mid, w_end = wg == 0 ? min(mid, t_end) : t_end;
   const bf16* C = cache + int64_t{tok_slot[n]} * max_ctx * cw;
 
-  // Tile t into stage st: thread tid copies row tid / 8, chunk tid % 8 of every atom; rows past L and the padding
-  // columns are zeros (so that P's zeros never meet garbage). One copy group per tile, empty past the run.
+  // Q: row 16w + i is head 8w + i's hi row (i < 8), row 16w + 8 + i its lo row; heads past nh and the padding
+  // columns are zeros. Two rows and every atom per thread.
+  for (int row = tid >> 3; row < 2 * kCtaHeads; row += kDecodeThreads / 8) {
+    const int head = 8 * (row >> 4) + (row & 7);
+    const bool valid = h0 + head < s.nh;
+    const bf16* src = qa.p + ((row & 8) ? qa.lo : 0) + (n * s.nh + (valid ? h0 + head : 0)) * cw;
+    for (int a = 0; a < atoms; ++a) {
+      const int ch = 8 * a + c8;
+      const bool ok = valid && ch < chunks;
+      ptx::CpAsync16(base + a * kQAtomBytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
+    }
+  }
+  ptx::CpAsyncCommit();
+  // A tile: rows past L and the padding columns are zeros (so that P's zeros never meet garbage).
   auto load_tile = [&](int64_t t, int st) {
-    if (t < t_end) {
-      const int row = tid >> 3, c8 = tid & 7;
-      const int64_t j = t * kRows + row;
-      const bool valid = j < L;
-      const bf16* src = C + (valid ? j : 0) * cw;
-      unsigned char* dst = base + lay.stage(st) + 2 * wgmma::Swz(row, c8);
-      for (int a = 0; a < atoms; ++a) {
-        const int ch = 8 * a + c8;
-        const bool ok = valid && ch < chunks;
-        ptx::CpAsync16(dst + a * kTileAtomBytes, src + (ok ? 8 * ch : 0), ok ? 16 : 0);
+    if (t < w_end) {
+      unsigned char* dst = base + lay.stage(wg, st);
+      for (int row = t128 >> 3; row < kRows; row += 16) {
+        const int64_t j = t * kRows + row;
+        const bool valid = j < L;
+        const bf16* src = C + (valid ? j : 0) * cw;
+        for (int a = 0; a < atoms; ++a) {
+          const int ch = 8 * a + c8;
+          const bool ok = valid && ch < chunks;
+          ptx::CpAsync16(dst + a * kTileAtomBytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
+        }
       }
     }
     ptx::CpAsyncCommit();
   };
-  for (int i = 0; i < kStages - 1; ++i) load_tile(t_begin + i, i);
+  load_tile(w_begin, 0);
+  ptx::CpAsyncWaitGroup<1>();  // this thread's part of Q
+  wgmma::FenceProxyAsync();
+  __syncthreads();
 
-  // This warpgroup's k-steps of the query as the score's A fragments: rows gid / gid + 8 of warp w's 16 are the hi
-  // / lo rows of head 8w + gid (zeros past nh and past cw).
-  const int head = 8 * warp + gid;
-  uint32_t qf[kMaxHalfSteps][4];
-  {
-    const bool valid = h0 + head < s.nh;
-    const bf16* qh = qa.p + (n * s.nh + (valid ? h0 + head : 0)) * cw;
-#pragma unroll
-    for (int i = 0; i < kMaxHalfSteps; ++i) {
-      const int k0 = 16 * (k_first + i) + 2 * tig;
-      const bool ok0 = valid && i < k_count && k0 < cw, ok1 = valid && i < k_count && k0 + 8 < cw;
-      qf[i][0] = ok0 ? *reinterpret_cast<const uint32_t*>(qh + k0) : 0u;
-      qf[i][1] = ok0 ? *reinterpret_cast<const uint32_t*>(qh + qa.lo + k0) : 0u;
-      qf[i][2] = ok1 ? *reinterpret_cast<const uint32_t*>(qh + k0 + 8) : 0u;
-      qf[i][3] = ok1 ? *reinterpret_cast<const uint32_t*>(qh + qa.lo + k0 + 8) : 0u;
-    }
-  }
-
-  const uint32_t p_addr = ptx::SmemAddr(base + lay.p(wg));
+  const uint32_t q_addr = ptx::SmemAddr(base), p_addr = ptx::SmemAddr(base + lay.p(wg));
+  const int head = 8 * warp + gid;  // the head of this thread's scores
   bf16* p_row = reinterpret_cast<bf16*>(base + lay.p(wg)) + head * 64;
-  float* s_half = reinterpret_cast<float*>(base + lay.s_half(0));  // [2][16][128]
-  float* corr_s = reinterpret_cast<float*>(base + lay.corr(wg));
-  float o[kMaxBlocks / 2][16];  // Oᵀ block 2i + wg: context column 64b + 16·warp + gid (+ 8: regs 4j + 2, + 3),
-                                // head 8j + 2tig (+ 1)
+  float o[kMaxBlocks][16];  // Oᵀ: context column 64b + 16·warp + gid (+ 8: regs 4j + 2, + 3), head 8j + 2tig (+ 1)
 #pragma unroll
-  for (int b = 0; b < kMaxBlocks / 2; ++b)
+  for (int b = 0; b < kMaxBlocks; ++b)
 #pragma unroll
     for (int i = 0; i < 16; ++i) o[b][i] = 0.0f;
   float m_run = -INFINITY, l_run = 0.0f;
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const int st = static_cast<int>((t - t_begin) % kStages);
-    ptx::CpAsyncWaitGroup<kStages - 2>();
+  int st = 0;
+  for (int64_t t = w_begin; t < w_end; ++t, st ^= 1) {
+    load_tile(t + 1, st ^ 1);  // the other stage: its last reader, the previous tile's context product, is done
+    ptx::CpAsyncWaitGroup<1>();
     wgmma::FenceProxyAsync();
-    __syncthreads();  // tile t is in; every thread is done with tile t − 1, its stage and S's halves
-    load_tile(t + kStages - 1, (st + kStages - 1) % kStages);
-    const uint32_t c_addr = ptx::SmemAddr(base + lay.stage(st));
+    WarpgroupSync(wg);
+    const uint32_t c_addr = ptx::SmemAddr(base + lay.stage(wg, st));
 
     float sc[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) sc[i] = 0.0f;
     wgmma::FenceRegs(sc);
     wgmma::Fence();
-#pragma unroll
-    for (int i = 0; i < kMaxHalfSteps; ++i)
-      if (i < k_count) {
-        const int k = k_first + i;
-        wgmma::Mma32A(sc, qf[i], wgmma::Desc(c_addr + (k >> 2) * kTileAtomBytes + 32 * (k & 3)));
-      }
+    for (int k = 0; k < 4 * atoms; ++k) {
+      const int off = (k >> 2) * kQAtomBytes, coff = (k >> 2) * kTileAtomBytes, kb = 32 * (k & 3);
+      wgmma::Mma32<0>(sc, wgmma::Desc(q_addr + off + kb), wgmma::Desc(c_addr + coff + kb));
+    }
     wgmma::Commit();
     wgmma::Wait<0>();
     wgmma::FenceRegs(sc);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s_half[(wg * 16 + i) * 128 + t128] = sc[i];
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sc[i] = s_half[i * 128 + t128] + s_half[(16 + i) * 128 + t128];
 
     // Online softmax of this thread's head over the tile's rows 8j + 2tig (+ 1) (a tile's first row is valid).
     float v[8], mx = -INFINITY;
@@ -277,15 +271,17 @@ __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, 
     for (int j = 0; j < 4; ++j) {
       const float p0 = expf(v[2 * j] - m_new), p1 = expf(v[2 * j + 1] - m_new);  // masked rows: exp(−inf) = 0
       sum += p0 + p1;
-      const float h0f = __bfloat162float(__float2bfloat16_rn(p0)), h1f = __bfloat162float(__float2bfloat16_rn(p1));
+      const bf16 h0b = __float2bfloat16_rn(p0), h1b = __float2bfloat16_rn(p1);
+      const uint32_t hi = ptx::PackBf16(__bfloat162float(h0b), __bfloat162float(h1b));
+      const uint32_t lo = ptx::PackBf16(p0 - __bfloat162float(h0b), p1 - __bfloat162float(h1b));
       // Pᵀ row `head`, k = 8j + 2tig (hi) and 32 + 8j + 2tig (lo), swizzled.
-      *reinterpret_cast<uint32_t*>(p_row + ((j ^ (head & 7)) << 3) + 2 * tig) = ptx::PackBf16(h0f, h1f);
-      *reinterpret_cast<uint32_t*>(p_row + (((4 + j) ^ (head & 7)) << 3) + 2 * tig) = ptx::PackBf16(p0 - h0f, p1 - h1f);
+      *reinterpret_cast<uint32_t*>(p_row + ((j ^ (head & 7)) << 3) + 2 * tig) = hi;
+      *reinterpret_cast<uint32_t*>(p_row + (((4 + j) ^ (head & 7)) << 3) + 2 * tig) = lo;
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     l_run = l_run * corr + sum, m_run = m_new;
-    if (tig == 0) corr_s[head] = corr;
+    if (tig == 0) corr_s[wg * kCtaHeads + head] = corr;
     wgmma::FenceProxyAsync();
     WarpgroupSync(wg);
 
@@ -293,43 +289,71 @@ __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, 
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) cr[2 * j + e] = corr_s[8 * j + 2 * tig + e];
+      for (int e = 0; e < 2; ++e) cr[2 * j + e] = corr_s[wg * kCtaHeads + 8 * j + 2 * tig + e];
 #pragma unroll
-    for (int b = 0; b < kMaxBlocks / 2; ++b) {
+    for (int b = 0; b < kMaxBlocks; ++b)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) o[b][4 * j + e] *= cr[2 * j + e], o[b][4 * j + 2 + e] *= cr[2 * j + e];
-      wgmma::FenceRegs(o[b]);
-    }
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b) wgmma::FenceRegs(o[b]);
     wgmma::Fence();
 #pragma unroll
-    for (int b = 0; b < kMaxBlocks / 2; ++b)
-      if (2 * b + wg < blocks) {
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (b < blocks) {
 #pragma unroll
         for (int k = 0; k < 4; ++k)  // rows 0–15, 16–31 against P's hi, then again against its lo
-          wgmma::Mma32<1>(o[b], wgmma::DescMn(c_addr + (2 * b + wg) * kTileAtomBytes + 2048 * (k & 1)),
+          wgmma::Mma32<1>(o[b], wgmma::Desc(c_addr + b * kTileAtomBytes + 2048 * (k & 1)),
                           wgmma::Desc(p_addr + 32 * k));
       }
     wgmma::Commit();
     wgmma::Wait<0>();
 #pragma unroll
-    for (int b = 0; b < kMaxBlocks / 2; ++b) wgmma::FenceRegs(o[b]);
-    WarpgroupSync(wg);  // Pᵀ and corr are free for the next tile
+    for (int b = 0; b < kMaxBlocks; ++b) wgmma::FenceRegs(o[b]);
+    WarpgroupSync(wg);  // the stage, Pᵀ and corr are free for the next tile
   }
   ptx::CpAsyncWaitAll();  // nothing in flight (the empty groups past the run)
 
-  if (t_begin >= t_end) return;  // (a run always has tiles; kept for the shape of the partials)
+  // Warpgroup 1 hands its (m, l, Oᵀ) to warpgroup 0 through its ring (blocks · 8 KB ≤ its 2 · atoms · 4 KB).
+  if (tig == 0) m_s[wg * kCtaHeads + head] = m_run, l_s[wg * kCtaHeads + head] = l_run;
+  float* handoff = reinterpret_cast<float*>(base + lay.stage(1, 0));
+  if (wg == 1) {
 #pragma unroll
-  for (int b = 0; b < kMaxBlocks / 2; ++b)
-    if (2 * b + wg < blocks)
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (b < blocks)
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int h = 8 * (i >> 2) + 2 * tig + (i & 1), c = 64 * (2 * b + wg) + 16 * warp + gid + ((i & 2) ? 8 : 0);
-        if (c < r && h0 + h < s.nh) part_acc[((n * s.nh + h0 + h) * kMaxSplits + g) * r + c] = o[b][i];
-      }
-  if (wg == 0 && tig == 0 && h0 + head < s.nh)
-    part_ml[(n * s.nh + h0 + head) * kMaxSplits + g] = make_float2(m_run, l_run);
+        for (int i = 0; i < 16; ++i) handoff[(b * 16 + i) * 128 + t128] = o[b][i];
+  }
+  __syncthreads();
+  if (wg == 1) return;
+  float w0[8], w1[8];  // the halves' weights for heads 8j + 2tig + e
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int h = 8 * (i >> 1) + 2 * tig + (i & 1);
+    const float m0 = m_s[h], m1 = m_s[kCtaHeads + h], M = fmaxf(m0, m1);
+    w0[i] = l_s[h] > 0.0f ? expf(m0 - M) : 0.0f;
+    w1[i] = l_s[kCtaHeads + h] > 0.0f ? expf(m1 - M) : 0.0f;
+  }
+  if (t_begin < t_end) {
+#pragma unroll
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (b < blocks)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int j = i >> 2, e = i & 1, h = 8 * j + 2 * tig + e;
+          const int c = 64 * b + 16 * warp + gid + ((i & 2) ? 8 : 0);
+          if (c < r && h0 + h < s.nh)
+            part_acc[((n * s.nh + h0 + h) * kMaxSplits + g) * r + c] =
+                o[b][i] * w0[2 * j + e] + handoff[(b * 16 + i) * 128 + t128] * w1[2 * j + e];
+        }
+  }
+  if (tid < kCtaHeads && h0 + tid < s.nh) {
+    const float m0 = m_s[tid], m1 = m_s[kCtaHeads + tid], l0 = l_s[tid], l1 = l_s[kCtaHeads + tid];
+    const float M = fmaxf(m0, m1);
+    const float l = (l0 > 0.0f ? l0 * expf(m0 - M) : 0.0f) + (l1 > 0.0f ? l1 * expf(m1 - M) : 0.0f);
+    part_ml[(n * s.nh + h0 + tid) * kMaxSplits + g] = make_float2(M, l);
+  }
 }
 
 // ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the token's runs that had rows (l_g > 0), in g order.

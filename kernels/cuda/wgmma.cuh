@@ -30,22 +30,12 @@ __device__ __forceinline__ int Swz(int row, int c) { return row * 64 + ((c ^ (ro
 
 // Descriptor of a K-major, 128-byte-swizzled tile at shared address `addr` (1024-aligned; + 32 per k16 step):
 // start address >> 4, leading offset unused (1), stride 1024 bytes between eight-row groups, swizzle mode 1.
+// The same fields describe an MN-major operand of 64 M (or N) values a row (`imm-trans` set, Mma32<1>): rows are
+// then k, the stride is between eight-k groups (+ 2048 bytes per k16 step), and the leading offset (to the next 64
+// M values) is unused at m64.
 __device__ __forceinline__ uint64_t Desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
-}
-
-// Descriptor of an MN-major, 128-byte-swizzled tile (`imm-trans` set: the M or N index runs along the 128-byte rows,
-// k down them; rows of 64 M values, eight-k groups 1024 bytes apart, + 2048 per k16 step). m64 takes one row width,
-// so the leading offset (to the next 64 M values) is unused.
-__device__ __forceinline__ uint64_t DescMn(uint32_t addr) {
-#ifdef K3_WGMMA_MN_SWAP
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1024 >> 4} << 16) | (uint64_t{1} << 32) |
-         (uint64_t{1} << 62);
-#else
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-#endif
 }
 
 // Before the first MMA that reads registers written by other instructions (the zeroed accumulators).
@@ -147,7 +137,7 @@ struct Ring {
 template <int N>
 __device__ void Mma(float (&d)[N / 2], uint64_t a, uint64_t b);
 
-// d (16 fp32 per thread) += A · Bᵀ (m64n32k16); kTransA: A MN-major (DescMn), else K-major. MLA's decode.
+// d (16 fp32 per thread) += A · Bᵀ (m64n32k16); kTransA: A MN-major, else K-major. MLA's decode.
 template <int kTransA>
 __device__ __forceinline__ void Mma32(float (&d)[16], uint64_t a, uint64_t b) {
   K3_WGMMA_ASM(
@@ -158,20 +148,6 @@ __device__ __forceinline__ void Mma32(float (&d)[16], uint64_t a, uint64_t b) {
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(a), "l"(b), "r"(1), "n"(kTransA)
-      : "memory");
-}
-
-// d (16 fp32 per thread) += A · Bᵀ (m64n32k16), A from registers: warp w's rows 16w..16w+15 in mma.sync's A
-// fragment layout (ptx.cuh).
-__device__ __forceinline__ void Mma32A(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
-  K3_WGMMA_ASM(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7,"
-      "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
       : "memory");
 }
 
