@@ -160,6 +160,17 @@ __device__ __forceinline__ void WarpgroupSync(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
 
+// Row `row` of a tile of 64-column atoms atom_bytes apart, 128-byte swizzled as wgmma reads it: this thread's 16-byte
+// chunk c8 of each atom from src, zeros where !valid or past the row's `chunks` (src must point somewhere readable).
+__device__ __forceinline__ void CopyRow(unsigned char* dst, int atom_bytes, int row, const __nv_bfloat16* src,
+                                        bool valid, int chunks, int atoms, int c8) {
+  for (int a = 0; a < atoms; ++a) {
+    const int ch = 8 * a + c8;
+    const bool ok = valid && ch < chunks;
+    ptx::CpAsync16(dst + a * atom_bytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
+  }
+}
+
 // Partials of run g of (token n, head h): acc [N][nh][kMaxSplits][r] (unnormalized), ml [N][nh][kMaxSplits]
 // {max, sum}. qa: the absorbed query [N][nh][cw], split.
 __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, Split qa, const __nv_bfloat16* cache,
@@ -195,11 +206,7 @@ __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, 
     const int head = 8 * (row >> 4) + (row & 7);
     const bool valid = h0 + head < s.nh;
     const bf16* src = qa.p + ((row & 8) ? qa.lo : 0) + (n * s.nh + (valid ? h0 + head : 0)) * cw;
-    for (int a = 0; a < atoms; ++a) {
-      const int ch = 8 * a + c8;
-      const bool ok = valid && ch < chunks;
-      ptx::CpAsync16(base + a * kQAtomBytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
-    }
+    CopyRow(base, kQAtomBytes, row, src, valid, chunks, atoms, c8);
   }
   ptx::CpAsyncCommit();
   // A tile: rows past L and the padding columns are zeros (so that P's zeros never meet garbage).
@@ -208,13 +215,7 @@ __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, 
       unsigned char* dst = base + lay.stage(wg, st);
       for (int row = t128 >> 3; row < kRows; row += 16) {
         const int64_t j = t * kRows + row;
-        const bool valid = j < L;
-        const bf16* src = C + (valid ? j : 0) * cw;
-        for (int a = 0; a < atoms; ++a) {
-          const int ch = 8 * a + c8;
-          const bool ok = valid && ch < chunks;
-          ptx::CpAsync16(dst + a * kTileAtomBytes + 2 * wgmma::Swz(row, c8), src + (ok ? 8 * ch : 0), ok ? 16 : 0);
-        }
+        CopyRow(dst, kTileAtomBytes, row, C + (j < L ? j : 0) * cw, j < L, chunks, atoms, c8);
       }
     }
     ptx::CpAsyncCommit();
