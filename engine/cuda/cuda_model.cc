@@ -251,6 +251,10 @@ struct CudaModel::Impl {
                    const std::vector<int32_t>& pre_slot, const int32_t* const* m);
   absl::Status MlaOut(const MlaW& w, int64_t N, Split o);
   absl::Status Moe(int64_t l, int64_t N);
+  // x = the tokens' embeddings, and (without Block AttnRes) the first layer's input norm `a` of it: both before a
+  // decode graph's replay rather than in it — the graph's second kernel starts ≈ 9 µs after its first, which a
+  // norm of 2–4 µs would leave idle and the first layer's input product (18 µs) covers.
+  absl::Status Inputs(int64_t N, const int32_t* tok_id);
   enum class On { kMain, kSide };
   // hid = act(gate_up · in): the GLU's first product; the caller's down product reads hid.
   absl::Status GluUp(const GluW& g, Split in, int64_t N, On on);
@@ -756,6 +760,14 @@ absl::Status CudaModel::Impl::GluUp(const GluW& g, Split in, int64_t N, On on) {
 // m[0..] = per-forward device metadata: tok_id, tok_slot, tok_pos, tok_start, ch_start, ch_len, ch_slot, cu, rows.
 enum Meta { kTokId, kTokSlot, kTokPos, kTokStart, kChStart, kChLen, kChSlot, kCu, kRows, kHasInit, kMetaCount };
 
+absl::Status CudaModel::Impl::Inputs(int64_t N, const int32_t* tok_id) {
+  const int64_t d = c.hidden_size;
+  K3_CUDA_OK(Embed(N, d, tok_id, embed, x, stream));
+  if (Defer())
+    K3_CUDA_OK(AddRmsNorm(N, d, x, d, Sums{}, Sums{}, nullptr, layers[0].input_norm, c.rms_norm_eps, a, stream));
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::Impl::Kda(int64_t l, int64_t N, int64_t nd, int64_t num_chunks,
                                   const std::vector<int32_t>& cu_host, const int32_t* const* md) {
   const KdaW& w = layers[l].kda;
@@ -1080,7 +1092,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
   // 2.409/2.419/2.407 -> 2.383/2.393/2.384 on another).
   {
     Phase p(*this, "embed");
-    K3_CUDA_OK(Embed(N, d, md[kTokId], embed, x, stream));
+    K3_RETURN_IF_ERROR(Inputs(N, md[kTokId]));
   }
   auto enqueue = [&]() -> absl::Status {
     const bool attn_res = c.attn_res_block > 0;
@@ -1102,7 +1114,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
     for (int64_t l = 0; l < L; ++l) {
       const LayerW& w = layers[l];
       std::optional<Phase> phase(std::in_place, *this, "norm");
-      K3_RETURN_IF_ERROR(norm(w.attn_res_w, w.attn_res_n, w.input_norm, N, nullptr, a));
+      if (l > 0 || !Defer()) K3_RETURN_IF_ERROR(norm(w.attn_res_w, w.attn_res_n, w.input_norm, N, nullptr, a));
       if (attn_res && l % c.attn_res_block == 0) {  // the partial sum closes a block
         K3_CUDA_OK(
             cudaMemcpyAsync(bank + banked * cap * d, x, N * d * sizeof(float), cudaMemcpyDeviceToDevice, stream));
@@ -1308,7 +1320,7 @@ absl::Status CudaModel::NextGreedy(std::vector<int32_t>* prev_ids) {
   const int64_t n = static_cast<int64_t>(ch.slots.size());
   // The inputs from the last step's ids, their copy to the host beside the step that reads them.
   K3_CUDA_OK(FeedGreedyIds(n, m.ids, ch.tok_id, ch.tok_pos, m.stream));
-  K3_CUDA_OK(Embed(n, m.c.hidden_size, ch.tok_id, m.embed, m.x, m.stream));
+  K3_RETURN_IF_ERROR(m.Inputs(n, ch.tok_id));
   K3_CUDA_OK(cudaEventRecord(m.fed, m.stream));
   K3_CUDA_OK(cudaStreamWaitEvent(m.copy, m.fed));
   K3_CUDA_OK(cudaMemcpyAsync(m.ids_host, ch.tok_id, n * sizeof(int32_t), cudaMemcpyDeviceToHost, m.copy));
