@@ -1,9 +1,10 @@
 // The LM head (lm_head.cuh) on the Hopper tensor cores, warp-specialized like the experts' wgmma kernel
-// (experts_wgmma.cuh) but fed by the TMA: a persistent CTA per SM takes items of 64 x rows × 256 vocabulary rows
+// (experts_wgmma.cuh) but fed by the TMA: a persistent CTA per SM takes items of 64 x rows × 208 vocabulary rows
 // over all of K in 64-wide steps. One thread of warpgroup 0 loads each stage with two tensor copies (the W tile
-// and the x tile, 128-byte swizzled as wgmma reads them, zeros past the edges) into a 5-stage ring; warpgroups 1
-// and 2 each multiply the 64 x rows (A, m64) by 128 of the W rows (B, n128) and free a stage once their MMAs that
-// read it are done. Epilogue in registers: each row's best over the item's columns into its key (a quad
+// and the x tile, 128-byte swizzled as wgmma reads them, zeros past the edges) into a 6-stage ring; warpgroups 1
+// and 2 each multiply the 64 x rows (A, m64) by 104 of the W rows (B, n104) and free a stage once their MMAs that
+// read it are done. 208 rows an item: Kimi's 163,840-row vocabulary makes 788 items, 5.97 a CTA on 132 SMs, where
+// 256-row items made 640, 4.85 a CTA, whose last round left 15% of the SMs idle. Epilogue in registers: each row's best over the item's columns into its key (a quad
 // reduction, one 64-bit atomicMax per row and warpgroup), the logits when kept. With cp.async copies by a
 // warpgroup instead, the head streamed 3.6 TB/s whatever the rows (copier-bound).
 //
@@ -25,15 +26,16 @@ namespace k3::cuda {
 namespace {
 
 constexpr int kRows = 64;   // x rows per item: the MMA's m
-constexpr int kBN = 256;    // vocabulary rows per item, 128 per MMA warpgroup
-constexpr int kBK = 64;     // k per stage: one swizzled 128-byte row
-constexpr int kStages = 5;
-constexpr int kABytes = kRows * wgmma::kRowBytes, kBBytes = kBN * wgmma::kRowBytes;  // 8 KB, 32 KB
+constexpr int kWgN = 104;        // vocabulary rows per MMA warpgroup: the MMA's n
+constexpr int kBN = 2 * kWgN;    // vocabulary rows per item
+constexpr int kBK = 64;          // k per stage: one swizzled 128-byte row
+constexpr int kStages = 6;
+constexpr int kABytes = kRows * wgmma::kRowBytes, kBBytes = kBN * wgmma::kRowBytes;  // 8 KB, 26 KB
 constexpr int kStageBytes = kABytes + kBBytes;
 using StageRing = wgmma::Ring<kStages, kStageBytes>;
 constexpr int kSmem = StageRing::kSmem;
 constexpr int kThreads = 384;
-static_assert(kABytes % 1024 == 0, "tiles on 1024 bytes (the swizzle's period)");
+static_assert(kABytes % 1024 == 0 && kWgN * wgmma::kRowBytes % 1024 == 0, "tiles on 1024 bytes (the swizzle's period)");
 static_assert(kBK * 2 == wgmma::kRowBytes, "a stage is one swizzled row of k (wgmma::MmaStage)");
 
 // The tile at (c0 inner, c1 outer) of a 2-D tensor map into shared memory; its bytes complete on bar.
@@ -94,14 +96,14 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
   // ------------------------------------------------------------------------------------------ MMA warpgroups
   const int h = group - 1, warp = (tid >> 5) & 3, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t m0 = int64_t{item % passes} * kRows, v0 = int64_t{item / passes} * kBN + 128 * h;
-    float acc[64];
+    const int64_t m0 = int64_t{item % passes} * kRows, v0 = int64_t{item / passes} * kBN + kWgN * h;
+    float acc[kWgN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kWgN / 2; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFilled();
       const uint32_t sa = ptx::SmemAddr(ring.Buffer());
-      wgmma::MmaStage<128>(acc, sa, sa + kABytes + h * 128 * wgmma::kRowBytes);
+      wgmma::MmaStage<kWgN>(acc, sa, sa + kABytes + h * kWgN * wgmma::kRowBytes);
       ring.Consumed(lane == 0);
     }
     wgmma::Wait<0>();
@@ -115,7 +117,7 @@ __global__ __launch_bounds__(kThreads, 1) void LmHeadKernel(const LmHeadArgs a, 
       const bool t_ok = t < M;
       uint64_t best = 0;
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < kWgN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int64_t v = v0 + 8 * j + 2 * tig + e;
