@@ -66,17 +66,18 @@ __global__ void ConvKernel(KdaConvArgs a) {
 // 1.45 at 86 registers (H200, kimi-linear-e2e: 12.6 → 9.6 µs a layer in place).
 template <int K>
 __global__ __launch_bounds__(kThreads, 3) void ConvKernel8(KdaConvArgs a) {
-  PdlEnter();
   const int c0 = 8 * (blockIdx.x * kThreads + threadIdx.x), C = static_cast<int>(a.C);
-  if (c0 >= C) return;
+  const bool active = c0 < C;  // threads past C read channel 0's weights and leave after the wait
   const int S = K - 1, third = C / 3, part = c0 / third;
-  float wf[8 * K];
-  const float4* w4 = reinterpret_cast<const float4*>(a.w + c0 * K);
+  float wf[8 * K];  // the weights before the wait (PDL): out of the round trip after it
+  const float4* w4 = reinterpret_cast<const float4*>(a.w + (active ? c0 : 0) * K);
 #pragma unroll
   for (int i = 0; i < 2 * K; ++i) {
     const float4 v = w4[i];
     wf[4 * i] = v.x, wf[4 * i + 1] = v.y, wf[4 * i + 2] = v.z, wf[4 * i + 3] = v.w;
   }
+  PdlEnter();
+  if (!active) return;
   for (int t = blockIdx.y; t < a.N; t += gridDim.y) {
     const int start = a.tok_start[t];
     float* state = a.state + int64_t{a.tok_slot[t]} * S * C + c0;

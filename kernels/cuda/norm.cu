@@ -9,6 +9,7 @@ namespace k3::cuda {
 namespace {
 
 constexpr int kThreads = 128;     // gated norm: many short rows (heads)
+constexpr int kMaxGatedD = 8 * kThreads;
 constexpr int kRowThreads = 512;  // RMSNorm: one CTA per (long) row, so more loads in flight per row
 
 __device__ __forceinline__ float Get(const float* x, int64_t i) { return x[i]; }
@@ -62,8 +63,15 @@ template <int kIt, int kParts>
 __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x, int64_t ldx, Sums a, Sums b,
                                                             const int32_t* rows, const float* w, float eps, Split y,
                                                             bool write_x) {
+  const int64_t D4 = D / 4;
+  float4 g[kIt];  // the norm's weights before the wait (PDL): read at once after the reduction
+#pragma unroll
+  for (int t = 0; t < kIt; ++t) {
+    const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
+    g[t] = w && c4 < D4 ? reinterpret_cast<const float4*>(w)[c4] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  }
   PdlEnter();
-  const int64_t i = blockIdx.x, r = rows ? rows[i] : i, D4 = D / 4;
+  const int64_t i = blockIdx.x, r = rows ? rows[i] : i;
   float4* xr = reinterpret_cast<float4*>(x + r * ldx);
   float4 v[kIt], va[kIt], vb[kIt];
 #pragma unroll
@@ -91,8 +99,7 @@ __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x,
   for (int t = 0; t < kIt; ++t) {
     const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
     if (c4 >= D4) continue;
-    const float4 g = w ? reinterpret_cast<const float4*>(w)[c4] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-    const float o[4] = {g.x * (v[t].x * rn), g.y * (v[t].y * rn), g.z * (v[t].z * rn), g.w * (v[t].w * rn)};
+    const float o[4] = {g[t].x * (v[t].x * rn), g[t].y * (v[t].y * rn), g[t].z * (v[t].z * rn), g[t].w * (v[t].w * rn)};
     StoreSplit4(y.p + i * y.ld + 4 * c4, y.lo, o);
   }
 }
@@ -188,22 +195,51 @@ struct GateIn {
   }
 };
 
-template <class T>
+// One CTA per row (head) of D ≤ kPer·kThreads, its values in registers: the norm's weights are read before the wait
+// (PDL), x and the gate in one round trip after it, before the block's one reduction. (Reading the gate and the weights
+// after the reduction, a second round trip, added 4.7 µs after the KDA decode in a kimi-linear decode step; a warp a
+// row, 8 rows a CTA, added 6.3.)
+template <class T, int kPer>
 __global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const T* x, GateIn gate, const float* w,
                                                                 float eps, Split y) {
+  float wc[kPer], v[kPer], g[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t c = threadIdx.x + j * kThreads;
+    wc[j] = c < D ? w[c] : 0.0f;
+  }
   PdlEnter();
   const int64_t i = blockIdx.x;
   const T* xr = x + i * D;
   float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < D; c += kThreads) {
-    const float v = Get(xr, c);
-    ss += v * v;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t c = threadIdx.x + j * kThreads;
+    v[j] = c < D ? Get(xr, c) : 0.0f;
+    g[j] = c < D ? gate.At(i, D, c) : 0.0f;
+    ss += v[j] * v[j];
   }
   const float r = rsqrtf(BlockSum(ss) / static_cast<float>(D) + eps);
-  for (int64_t c = threadIdx.x; c < D; c += kThreads) {
-    const float g = gate.At(i, D, c);
-    StoreSplit(y.p + i * D + c, y.lo, w[c] * (Get(xr, c) * r) / (1.0f + expf(-g)));
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t c = threadIdx.x + j * kThreads;
+    if (c < D) StoreSplit(y.p + i * D + c, y.lo, wc[j] * (v[j] * r) / (1.0f + expf(-g[j])));
   }
+}
+
+template <class T>
+cudaError_t LaunchGated(int64_t M, int64_t D, const T* x, GateIn gate, const float* w, float eps, Split y,
+                        cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(M);
+  if (D <= kThreads) {
+    K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<T, 1>, grid, kThreads, 0, stream, D, x, gate, w, eps, y));
+  } else if (D <= 2 * kThreads) {
+    K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<T, 2>, grid, kThreads, 0, stream, D, x, gate, w, eps, y));
+  } else {
+    K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<T, kMaxGatedD / kThreads>, grid, kThreads, 0, stream, D, x, gate, w,
+                             eps, y));
+  }
+  return cudaGetLastError();
 }
 
 bool Bad(int64_t M, int64_t D, const void* x, Split y) { return M < 0 || D <= 0 || !x || !y.p || M > 0x7fffffff; }
@@ -234,30 +270,24 @@ cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const float* gate, const float* w, float eps,
                          Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
+  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,
-                           GateIn{gate, Sums{}, 1}, w, eps, y));
-  return cudaGetLastError();
+  return LaunchGated(M, D, x, GateIn{gate, Sums{}, 1}, w, eps, y, stream);
 }
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate, const float* w, float eps, Split y,
                          cudaStream_t stream) {
-  if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
+  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<float>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,
-                           GateIn{gate, Sums{}, 1}, w, eps, y));
-  return cudaGetLastError();
+  return LaunchGated(M, D, x, GateIn{gate, Sums{}, 1}, w, eps, y, stream);
 }
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
                          float eps, Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || !gate.PartsOk())
+  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || !gate.PartsOk())
     return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<__nv_bfloat16>, static_cast<unsigned>(M), kThreads, 0, stream, D, x,
-                           GateIn{nullptr, gate, H}, w, eps, y));
-  return cudaGetLastError();
+  return LaunchGated(M, D, x, GateIn{nullptr, gate, H}, w, eps, y, stream);
 }
 
 }  // namespace k3::cuda

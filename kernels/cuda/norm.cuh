@@ -27,7 +27,7 @@ cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums
                        const float* w, float eps, Split y, cudaStream_t stream);
 
 // y = RMSNorm(x; w) ⊙ sigmoid(gate) per row of D (one head): x and gate [M, D] contiguous (M = tokens · heads),
-// x bf16 (the tuned KDA kernels' output) or fp32; y rows contiguous (y.ld == D).
+// x bf16 (the tuned KDA kernels' output) or fp32; y rows contiguous (y.ld == D); D ≤ 1024.
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const float* gate, const float* w, float eps,
                          Split y, cudaStream_t stream);
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate, const float* w, float eps, Split y,

@@ -524,6 +524,32 @@ TEST(NormCuda, RmsNormAndGatedMatchCpu) {
             cudaErrorInvalidValue);  // 5 heads do not divide the rows
 }
 
+// The gated norm at every width its kernel's register counts split on (odd widths: threads past the row), up to the
+// largest (1024) and one past it; one row, many, and none.
+TEST(NormCuda, GatedAtEveryWidth) {
+  REQUIRE_GPU();
+  for (const int64_t D : {16, 64, 100, 128, 200, 256, 300, 1024})
+    for (const int64_t M : {1, 13, 2048}) {
+      std::vector<float> o = Randn(M * D, 40, 2.0f);
+      const std::vector<uint16_t> ob = ToBf16(o);  // o rounded in place
+      const std::vector<float> gate = Randn(M * D, 41, 3.0f), gw = Randn(D, 42);
+      std::vector<float> ref(M * D);
+      cpu::GatedRmsNormRef(M, D, o.data(), gate.data(), gw.data(), 1e-6f, ref.data());
+      DeviceBuffer<uint16_t> dob(ob), dy(std::vector<uint16_t>(2 * M * D + 1, 0x7fc1));
+      DeviceBuffer<float> dg(gate), dgw(gw);
+      CUDA_OK(GatedRmsNorm(M, D, dob.bf(), dg.get(), dgw.get(), 1e-6f, Split{dy.bf(), D, M * D}, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> y = dy.ToHost();
+      EXPECT_LT(Rel(FromSplit(y, M * D), ref), 1e-5) << "D " << D << " M " << M;
+      EXPECT_EQ(y[2 * M * D], 0x7fc1) << "past the output, D " << D << " M " << M;
+    }
+  DeviceBuffer<uint16_t> x(16), y(32);
+  DeviceBuffer<float> g(16), w(16);
+  CUDA_OK(GatedRmsNorm(0, 16, x.bf(), g.get(), w.get(), 1e-6f, Split{y.bf(), 16, 16}, nullptr));
+  EXPECT_EQ(GatedRmsNorm(0, 1025, x.bf(), g.get(), w.get(), 1e-6f, Split{y.bf(), 1025, 16}, nullptr),
+            cudaErrorInvalidValue);
+}
+
 // AddRmsNorm: x += a (a product's unfolded sums: rows of D + 3 or D + 4, lo rows M further) + b (plain fp32),
 // rounded as the fold and AddInto2 round them, then the norm; each addend alone, none, no rows, one row, and with a
 // row list (x left as it is). Rows of D + 4 and D % 4 == 0 take the 16-byte kernel (up to D = 32768), others the
