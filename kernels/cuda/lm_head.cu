@@ -4,9 +4,10 @@
 // and the x tile, 128-byte swizzled as wgmma reads them, zeros past the edges) into a 6-stage ring; warpgroups 1
 // and 2 each multiply the 64 x rows (A, m64) by 104 of the W rows (B, n104) and free a stage once their MMAs that
 // read it are done. 208 rows an item: Kimi's 163,840-row vocabulary makes 788 items, 5.97 a CTA on 132 SMs, where
-// 256-row items made 640, 4.85 a CTA, whose last round left 15% of the SMs idle. Epilogue in registers: each row's best over the item's columns into its key (a quad
-// reduction, one 64-bit atomicMax per row and warpgroup), the logits when kept. With cp.async copies by a
-// warpgroup instead, the head streamed 3.6 TB/s whatever the rows (copier-bound).
+// 256-row items made 640, 4.85 a CTA, whose last round left 15% of the SMs idle. Epilogue in registers: each
+// row's best over the item's columns into its key (a quad reduction, one 64-bit atomicMax per row and warpgroup),
+// the logits when kept. With cp.async copies by a warpgroup instead, the head streamed 3.6 TB/s whatever the rows
+// (copier-bound).
 //
 // The ring's first W tiles are requested before the wait for the kernel before (PDL): the head's first bytes
 // stream while the final RMSNorm finishes.
@@ -35,7 +36,8 @@ constexpr int kStageBytes = kABytes + kBBytes;
 using StageRing = wgmma::Ring<kStages, kStageBytes>;
 constexpr int kSmem = StageRing::kSmem;
 constexpr int kThreads = 384;
-static_assert(kABytes % 1024 == 0 && kWgN * wgmma::kRowBytes % 1024 == 0, "tiles on 1024 bytes (the swizzle's period)");
+static_assert(kABytes % 1024 == 0 && kWgN * wgmma::kRowBytes % 1024 == 0,
+              "tiles on 1024 bytes (the swizzle's period)");
 static_assert(kBK * 2 == wgmma::kRowBytes, "a stage is one swizzled row of k (wgmma::MmaStage)");
 
 // The tile at (c0 inner, c1 outer) of a 2-D tensor map into shared memory; its bytes complete on bar.

@@ -99,7 +99,8 @@ __global__ __launch_bounds__(1024) void AddRmsNormVecKernel(int64_t D, float* x,
   for (int t = 0; t < kIt; ++t) {
     const int64_t c4 = threadIdx.x + int64_t{t} * blockDim.x;
     if (c4 >= D4) continue;
-    const float o[4] = {g[t].x * (v[t].x * rn), g[t].y * (v[t].y * rn), g[t].z * (v[t].z * rn), g[t].w * (v[t].w * rn)};
+    const float4 wt = g[t];
+    const float o[4] = {wt.x * (v[t].x * rn), wt.y * (v[t].y * rn), wt.z * (v[t].z * rn), wt.w * (v[t].w * rn)};
     StoreSplit4(y.p + i * y.ld + 4 * c4, y.lo, o);
   }
 }
@@ -284,7 +285,8 @@ cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
                          float eps, Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || !gate.PartsOk())
+  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D ||
+      !gate.PartsOk())
     return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
   return LaunchGated(M, D, x, GateIn{nullptr, gate, H}, w, eps, y, stream);
