@@ -1094,10 +1094,6 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
     Phase p(*this, "embed");
     K3_RETURN_IF_ERROR(Inputs(N, md[kTokId]));
   }
-  // A decode-only batch replays a CUDA graph of its shape: one launch instead of ~20 per layer. The shapes of
-  // everything it enqueues depend on (N, R) alone; positions, slots and lengths are read on the device from
-  // the metadata uploaded above. Not while profiling, nor with remote experts (their bridge waits on the host).
-  const bool graphed = opt.cuda_graphs && nd == C && !profile && experts == &local_experts;
   auto enqueue = [&]() -> absl::Status {
     const bool attn_res = c.attn_res_block > 0;
     pending[0] = pending[1] = Sums{};  // a failed forward may have left some
@@ -1152,15 +1148,15 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
       la.V = V, la.K = d, la.w = lm_head, la.x = Split{fn, d, 0}, la.M = R;
       la.logits = keep_logits ? logits : nullptr, la.ldl = V, la.argmax_keys = argmax_keys;
       K3_CUDA_OK(LmHead(la, stream));
-      // A graph NextGreedy may continue (below) feeds its ids to the next step's metadata itself.
-      const bool feed = graphed && !keep_logits && R == N;
-      K3_CUDA_OK(ArgmaxIds(R, argmax_keys, ids, stream, feed ? const_cast<int32_t*>(md[kTokId]) : nullptr,
-                           feed ? const_cast<int32_t*>(md[kTokPos]) : nullptr));
+      K3_CUDA_OK(ArgmaxIds(R, argmax_keys, ids, stream));
     }
     return absl::OkStatus();
   };
 
-  if (graphed) {
+  // A decode-only batch replays a CUDA graph of its shape: one launch instead of ~20 per layer. The shapes of
+  // everything it enqueues depend on (N, R) alone; positions, slots and lengths are read on the device from
+  // the metadata uploaded above. Not while profiling, nor with remote experts (their bridge waits on the host).
+  if (opt.cuda_graphs && nd == C && !profile && experts == &local_experts) {
     auto it = graphs.find({N, R, keep_logits});
     if (it == graphs.end()) {
       K3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -1322,8 +1318,8 @@ absl::Status CudaModel::NextGreedy(std::vector<int32_t>* prev_ids) {
     if (m.positions[slot] + 1 > m.opt.max_context)
       return absl::ResourceExhaustedError(absl::StrCat("slot ", slot, " would exceed max_context ", m.opt.max_context));
   const int64_t n = static_cast<int64_t>(ch.slots.size());
-  // The inputs from the last step's ids (its graph's last kernel wrote them to tok_id and advanced tok_pos), their
-  // copy to the host beside the step that reads them.
+  // The inputs from the last step's ids, their copy to the host beside the step that reads them.
+  K3_CUDA_OK(FeedGreedyIds(n, m.ids, ch.tok_id, ch.tok_pos, m.stream));
   K3_RETURN_IF_ERROR(m.Inputs(n, ch.tok_id));
   K3_CUDA_OK(cudaEventRecord(m.fed, m.stream));
   K3_CUDA_OK(cudaStreamWaitEvent(m.copy, m.fed));

@@ -936,35 +936,24 @@ TEST(ElementwiseCuda, AddIntoRoundsLikeTwoAdds) {
 
 // Ties across and within the CTAs that share a row, the last id, NaN, all −inf, a vocabulary that is not a
 // multiple of 4 (the scalar path); against the CPU's first-maximum scan.
-// The next decode step's inputs from this step's greedy ids (CudaModel::NextGreedy): ArgmaxIds also writes tok_id =
-// ids and tok_pos + 1, for no tokens, one, and more than a CTA's; the same ids as without, the keys cleared.
-TEST(SamplingCuda, ArgmaxIdsFeedsTheNextStep) {
+// The next decode step's inputs from this step's greedy ids (CudaModel::NextGreedy): tok_id = ids, tok_pos + 1, for
+// no tokens, one, and more than a CTA's.
+TEST(SamplingCuda, FeedGreedyIdsAdvancesTheTokens) {
   REQUIRE_GPU();
   for (const int64_t N : {0, 1, 300}) {
-    std::vector<uint64_t> keys(std::max<int64_t>(N, 1));
-    std::vector<int32_t> tok(N, -1), pos(N);
-    for (int64_t n = 0; n < N; ++n) {
-      keys[n] = (static_cast<uint64_t>(n + 5) << 32) | (0xffffffffu - static_cast<uint32_t>(7 * n + 3));
-      pos[n] = static_cast<int32_t>(n);
-    }
-    DeviceBuffer<uint64_t> dk(keys), dk2(keys);
-    DeviceBuffer<int32_t> di(std::max<int64_t>(N, 1)), di2(std::max<int64_t>(N, 1)), dt(tok), dp(pos);
-    CUDA_OK(ArgmaxIds(N, dk.get(), di.get(), nullptr, dt.get(), dp.get()));
-    CUDA_OK(ArgmaxIds(N, dk2.get(), di2.get(), nullptr));
+    std::vector<int32_t> ids(N), tok(N), pos(N);
+    for (int64_t n = 0; n < N; ++n) ids[n] = static_cast<int32_t>(7 * n + 3), tok[n] = -1, pos[n] = static_cast<int32_t>(n);
+    DeviceBuffer<int32_t> di(ids), dt(tok), dp(pos);
+    CUDA_OK(FeedGreedyIds(N, di.get(), dt.get(), dp.get(), nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    const std::vector<int32_t> ids = di.ToHost(), t = dt.ToHost(), p = dp.ToHost();
-    EXPECT_EQ(ids, di2.ToHost());
+    const std::vector<int32_t> t = dt.ToHost(), p = dp.ToHost();
     for (int64_t n = 0; n < N; ++n) {
-      EXPECT_EQ(ids[n], 7 * n + 3) << n;
       EXPECT_EQ(t[n], ids[n]) << n;
       EXPECT_EQ(p[n], n + 1) << n;
-      EXPECT_EQ(dk.ToHost()[n], 0u) << n;
     }
   }
-  DeviceBuffer<uint64_t> k(2);
-  DeviceBuffer<int32_t> i(2);
-  EXPECT_EQ(ArgmaxIds(2, k.get(), i.get(), nullptr, i.get(), nullptr), cudaErrorInvalidValue);  // both or neither
-  EXPECT_EQ(ArgmaxIds(-1, k.get(), i.get(), nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(FeedGreedyIds(2, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(FeedGreedyIds(-1, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(SamplingCuda, ArgmaxTakesLowestIdOnTies) {

@@ -47,14 +47,18 @@ __global__ __launch_bounds__(kThreads) void ArgmaxKernel(int64_t V, const float*
   FoldBlockKey(best, keys + blockIdx.x);
 }
 
-__global__ void KeysToIdsKernel(int64_t R, uint64_t* keys, int32_t* ids, int32_t* feed_id, int32_t* feed_pos) {
+__global__ void KeysToIdsKernel(int64_t R, uint64_t* keys, int32_t* ids) {
   PdlEnter();
   const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (r >= R) return;
-  const int32_t id = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
-  ids[r] = id;
+  ids[r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[r]));
   keys[r] = 0;
-  if (feed_id) feed_id[r] = id, feed_pos[r] += 1;
+}
+
+__global__ void FeedKernel(int64_t N, const int32_t* ids, int32_t* tok_id, int32_t* tok_pos) {
+  PdlEnter();
+  const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (n < N) tok_id[n] = ids[n], tok_pos[n] += 1;
 }
 
 }  // namespace
@@ -70,12 +74,17 @@ cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, in
   return ArgmaxIds(R, keys, ids, stream);
 }
 
-cudaError_t ArgmaxIds(int64_t R, uint64_t* keys, int32_t* ids, cudaStream_t stream, int32_t* feed_id,
-                      int32_t* feed_pos) {
-  if (R < 0 || R > 0x7fffffff || !keys || !ids || !feed_id != !feed_pos) return cudaErrorInvalidValue;
+cudaError_t ArgmaxIds(int64_t R, uint64_t* keys, int32_t* ids, cudaStream_t stream) {
+  if (R < 0 || R > 0x7fffffff || !keys || !ids) return cudaErrorInvalidValue;
   if (R == 0) return cudaSuccess;
-  K3_CUDA_TRY(LaunchKernel(KeysToIdsKernel, static_cast<unsigned>((R + 255) / 256), 256, 0, stream, R, keys, ids,
-                           feed_id, feed_pos));
+  K3_CUDA_TRY(LaunchKernel(KeysToIdsKernel, static_cast<unsigned>((R + 255) / 256), 256, 0, stream, R, keys, ids));
+  return cudaGetLastError();
+}
+
+cudaError_t FeedGreedyIds(int64_t N, const int32_t* ids, int32_t* tok_id, int32_t* tok_pos, cudaStream_t stream) {
+  if (N < 0 || N > 0x7fffffff || (N > 0 && (!ids || !tok_id || !tok_pos))) return cudaErrorInvalidValue;
+  if (N == 0) return cudaSuccess;
+  K3_CUDA_TRY(LaunchKernel(FeedKernel, static_cast<unsigned>((N + 255) / 256), 256, 0, stream, N, ids, tok_id, tok_pos));
   return cudaGetLastError();
 }
 

@@ -14,11 +14,11 @@ cudaError_t Argmax(int64_t R, int64_t V, const float* logits, uint64_t* keys, in
 
 // ids[r] = the id in keys[r], for keys folded elsewhere (the LM head's epilogue: LmHeadArgs::argmax_keys); the
 // keys are cleared to 0 on the way, ready for the next fold (a decode step then needs no memset node of its own).
-// With feed_id and feed_pos, also the next decode step's inputs for R one-token sequences: feed_id[r] = ids[r],
-// feed_pos[r] += 1 (CudaModel::NextGreedy: the host need not see the ids before the next step runs, and the next
-// step needs no kernel of its own for them).
-cudaError_t ArgmaxIds(int64_t R, uint64_t* keys, int32_t* ids, cudaStream_t stream, int32_t* feed_id = nullptr,
-                      int32_t* feed_pos = nullptr);
+cudaError_t ArgmaxIds(int64_t R, uint64_t* keys, int32_t* ids, cudaStream_t stream);
+
+// The next decode step's inputs from this step's greedy ids, on the device: tok_id[n] = ids[n], tok_pos[n] += 1
+// for N one-token sequences (CudaModel::NextGreedy: the host need not see the ids before the next step runs).
+cudaError_t FeedGreedyIds(int64_t N, const int32_t* ids, int32_t* tok_id, int32_t* tok_pos, cudaStream_t stream);
 
 #ifdef __CUDACC__
 // Order-preserving key of (logit, id): a larger logit wins, then the lower id; NaN ranks as −inf (never chosen
