@@ -795,8 +795,8 @@ int64_t MoePackedGateUpElems(int64_t D, int64_t I) {
 cudaError_t MoePackGateUp(const bf16* w1, const bf16* w3, int64_t D, int64_t I, bf16* out, cudaStream_t stream) {
   if (I < 1 || D < 8 || D % 8 || !w1 || !w3 || !out) return cudaErrorInvalidValue;
   const int64_t chunks = MoePackedGateUpElems(D, I) / 8;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((chunks + 255) / 256, 132 * 8));
-  PackGateUpKernel<<<grid, 256, 0, stream>>>(w1, w3, I, D, reinterpret_cast<int4*>(out), chunks);
+  PackGateUpKernel<<<RowGrid((chunks + 255) / 256), 256, 0, stream>>>(w1, w3, I, D, reinterpret_cast<int4*>(out),
+                                                                    chunks);
   return cudaGetLastError();
 }
 
