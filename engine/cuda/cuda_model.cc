@@ -933,8 +933,13 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
     return absl::FailedPreconditionError("the routed experts are not loaded here and no expert executor is set");
   // Front: router, top-k, latent down-projection.
   std::optional<Phase> phase(std::in_place, *this, "moe.router");
-  // K in slices when faster: the top-k adds them (no split-K reduce kernel).
-  K3_ASSIGN_OR_RETURN(const Sums logits, Product(w.router, E, d, m, N, rlogits, On::kMain, 0));
+  // Rows of 1024 or more in two K slices, which the top-k adds as it reads them (no split-K reduce kernel); shorter
+  // ones whole (nothing to gain). Fixed rather than timed: alone, 3 or 4 slices time as fast, but in the step they
+  // are slower (the top-k reads every slice; kimi-linear-e2e on an H200, six rounds: 2.300-2.304 ms a step with 2,
+  // 2.304-2.308 whole, 2.312-2.332 with 3 or 4), and the timed count flipped from one process to the next, and the
+  // routing's rounding with it.
+  const int64_t router_parts = d >= 1024 && d % 32 == 0 ? 2 : 1;
+  K3_ASSIGN_OR_RETURN(const Sums logits, Product(w.router, E, d, m, N, rlogits, On::kMain, router_parts));
   RouterArgs ra;
   ra.N = N, ra.num_experts = E, ra.top_k = k, ra.num_groups = c.num_expert_group, ra.topk_groups = c.topk_group;
   ra.renormalize = c.moe_renormalize, ra.scale = c.routed_scaling_factor;
