@@ -363,23 +363,45 @@ __global__ __launch_bounds__(kDecodeThreads, 1) void DecodeMmaKernel(MlaDims s, 
 }
 
 // ctx[n][h] = Σ_g e^{m_g − M} acc_g / Σ_g e^{m_g − M} l_g over the token's runs that had rows (l_g > 0), in g order.
-__global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const int32_t* tok_pos, const float* part_acc,
-                                                               const float2* part_ml, Split ctx) {
+// A thread's columns c, c + kThreads, ... (r ≤ 512) have all their loads issued before the first store: one round
+// trip to L2 instead of one per column (stores between them kept the loads from being hoisted).
+__global__ __launch_bounds__(kThreads) void DecodeMergeKernel(MlaDims s, const int32_t* __restrict__ tok_pos,
+                                                               const float* __restrict__ part_acc,
+                                                               const float2* __restrict__ part_ml, Split ctx) {
   PdlEnter();
+  constexpr int kCols = 64 * kMaxBlocks / kThreads;
   const int64_t nh_row = blockIdx.x, n = nh_row / s.nh, h = nh_row % s.nh;
   const int splits = static_cast<int>(Splits(int64_t{tok_pos[n]} + 1));
-  const float2* ml = part_ml + nh_row * kMaxSplits;
+  float2 ml[kMaxSplits];
+#pragma unroll
+  for (int g = 0; g < kMaxSplits; ++g)
+    ml[g] = g < splits ? part_ml[nh_row * kMaxSplits + g] : make_float2(kNegInf, 0.0f);
   float M = kNegInf;
-  for (int g = 0; g < splits; ++g)
+#pragma unroll
+  for (int g = 0; g < kMaxSplits; ++g)
     if (ml[g].y > 0.0f) M = fmaxf(M, ml[g].x);
   float w[kMaxSplits], total = 0.0f;
-  for (int g = 0; g < splits; ++g) total += (w[g] = ml[g].y > 0.0f ? expf(ml[g].x - M) : 0.0f) * ml[g].y;
+#pragma unroll
+  for (int g = 0; g < kMaxSplits; ++g) {
+    w[g] = 0.0f;
+    if (g < splits) total += (w[g] = ml[g].y > 0.0f ? expf(ml[g].x - M) : 0.0f) * ml[g].y;
+  }
   const float inv = 1.0f / total;
-  for (int64_t c = threadIdx.x; c < s.r; c += kThreads) {
-    float o = 0.0f;
-    for (int g = 0; g < splits; ++g)
-      if (w[g] > 0.0f) o += w[g] * part_acc[(nh_row * kMaxSplits + g) * s.r + c];
-    StoreSplit(ctx.p + n * ctx.ld + h * s.r + c, ctx.lo, o * inv);
+  const float* acc = part_acc + nh_row * kMaxSplits * s.r;
+  float o[kCols] = {};
+#pragma unroll
+  for (int g = 0; g < kMaxSplits; ++g) {
+    if (!(w[g] > 0.0f)) continue;  // runs without rows, and those past the token's
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) {
+      const int64_t c = threadIdx.x + kThreads * q;
+      if (c < s.r) o[q] += w[g] * acc[g * s.r + c];
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kCols; ++q) {
+    const int64_t c = threadIdx.x + kThreads * q;
+    if (c < s.r) StoreSplit(ctx.p + n * ctx.ld + h * s.r + c, ctx.lo, o[q] * inv);
   }
 }
 

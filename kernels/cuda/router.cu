@@ -83,12 +83,11 @@ __device__ __forceinline__ void RankKeys(const uint64_t (&key)[V], int steps, in
   }
 }
 
-// Lane j < k of the warp holds the token's j-th best key: its expert id, and its weight from the unbiased score, in
-// double like the reference (renormalized over the k, scaled).
-__device__ __forceinline__ void WriteChoice(const RouterArgs& a, const Sums& logits, int64_t n, int lane, uint64_t key) {
+// Lane j < k of the warp holds the token's j-th best key and that expert's unbiased score s_sel (0 past k): its
+// expert id, and its weight from s_sel, in double like the reference (renormalized over the k, scaled).
+__device__ __forceinline__ void WriteChoice(const RouterArgs& a, int64_t n, int lane, uint64_t key, double s_sel) {
   const int k = static_cast<int>(a.top_k);
   const int e_sel = lane < k ? KeyExpert(key) : 0;
-  const double s_sel = lane < k ? SigmoidD(logits.At(n, e_sel)) : 0.0;
   double sum = s_sel;
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane < k) {
@@ -168,7 +167,7 @@ __global__ __launch_bounds__(kRouterWarps * 32) void RouteTopKKernel(RouterArgs 
   // Step j picks the j-th expert; lane j keeps it. With the histogram, step k finds α.
   uint64_t mine, alpha_key;
   RankKeys(key, k + (a.qb_hist ? 1 : 0), k, lane, &mine, &alpha_key);
-  WriteChoice(a, logits, n, lane, mine);
+  WriteChoice(a, n, lane, mine, lane < k ? SigmoidD(logits.At(n, KeyExpert(mine))) : 0.0);
   if (a.qb_hist) {
     const float alpha = KeyScore(alpha_key);
 #pragma unroll
@@ -188,6 +187,7 @@ __global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArg
   PdlEnter();
   __shared__ uint64_t cand[kWideWarps][kMaxSteps];
   __shared__ uint64_t alpha_s;
+  __shared__ double s_all[kWideWarps * 32 * V];  // the unbiased scores, for the chosen experts' weights
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t n = blockIdx.x;
   const int E = static_cast<int>(a.num_experts), k = static_cast<int>(a.top_k);
@@ -199,7 +199,9 @@ __global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArg
 #pragma unroll
   for (int t = 0; t < V; ++t) {
     const int e = kWideWarps * 32 * t + 32 * warp + lane;
-    sb[t] = e < E ? static_cast<float>(SigmoidD(logits.At(n, e))) + (a.bias ? a.bias[e] : 0.0f) : -INFINITY;
+    const double sd = e < E ? SigmoidD(logits.At(n, e)) : 0.0;
+    s_all[e] = sd;
+    sb[t] = e < E ? static_cast<float>(sd) + (a.bias ? a.bias[e] : 0.0f) : -INFINITY;
     key[t] = e < E ? MakeKey(sb[t], e) : 0;
   }
   BestFour<V> mine;
@@ -219,7 +221,7 @@ __global__ __launch_bounds__(kWideWarps * 32) void RouteTopKWideKernel(RouterArg
     }
     uint64_t sel, alpha_key;
     RankKeys(c, steps, k, lane, &sel, &alpha_key);
-    WriteChoice(a, logits, n, lane, sel);
+    WriteChoice(a, n, lane, sel, lane < k ? s_all[KeyExpert(sel)] : 0.0);
     if (lane == 0) alpha_s = alpha_key;
   }
 
