@@ -62,7 +62,8 @@ cudaError_t Linear(const LinearArgs& a, cudaStream_t stream);
 // The dense products (groups == 1) through cuBLASLt. Batch invariant: the algorithm is chosen once per weight
 // shape (for 128 stacked rows, a decode batch of 64) and kept for every row count, so a row's sums do not
 // depend on the other rows of the batch (cuBLAS's own heuristic would pick other split-K schemes per M). The
-// choice is the fastest of the heuristic's candidates (and their split-K variants), timed with the weight out of
+// choice is the fastest of the heuristic's candidates (and their split-K variants; the near-best timed again in
+// interleaved rounds), timed with the weight out of
 // L2 at the shape's first use in the process (on that device; every LinearBlas then runs the shape alike);
 // K3SERVE_BLAS_TUNE=0 keeps the heuristic's first choice, =verbose prints each choice. A first use inside a graph
 // capture cannot time anything and keeps the first choice too.
