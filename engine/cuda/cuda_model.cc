@@ -938,7 +938,7 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   // are slower (the top-k reads every slice; kimi-linear-e2e on an H200, six rounds: 2.300-2.304 ms a step with 2,
   // 2.304-2.308 whole, 2.312-2.332 with 3 or 4), and the timed count flipped from one process to the next, and the
   // routing's rounding with it.
-  const int64_t router_parts = d >= 1024 && d % 32 == 0 ? 2 : 1;
+  const int64_t router_parts = d >= 1024 && LinearBlas::PartsFit(d, 2) ? 2 : 1;
   K3_ASSIGN_OR_RETURN(const Sums logits, Product(w.router, E, d, m, N, rlogits, On::kMain, router_parts));
   RouterArgs ra;
   ra.N = N, ra.num_experts = E, ra.top_k = k, ra.num_groups = c.num_expert_group, ra.topk_groups = c.topk_group;

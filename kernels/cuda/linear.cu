@@ -529,14 +529,14 @@ struct LinearBlas::State {
       err = cudaMemsetAsync(flush, i, flush_bytes, stream);
     warm = true;
     // kTimedReps runs of candidate i with the weight out of L2 (as in a decode step, where it streams from memory:
-    // the flush buffer is written between them), in ms; < 0: one this problem cannot run.
+    // the flush buffer is written between them), in ms.
     auto time = [&](int i) -> float {
       const cublasLtMatmulAlgo_t* cand = &cands.a[i];
       float ms = 0.0f;
       for (int r = 0; r < kTimedReps && err == cudaSuccess; ++r) {
         err = cudaMemsetAsync(flush, r, flush_bytes, stream);
         if (err == cudaSuccess) err = cudaEventRecord(e0, stream);
-        if (err == cudaSuccess && Matmul(w, ref, x, C, cand, stream) != CUBLAS_STATUS_SUCCESS) return -1.0f;
+        if (err == cudaSuccess) err = Lt(Matmul(w, ref, x, C, cand, stream));
         if (err == cudaSuccess) err = cudaEventRecord(e1, stream);
         if (err == cudaSuccess) err = cudaEventSynchronize(e1);
         float t = 0.0f;
@@ -548,7 +548,7 @@ struct LinearBlas::State {
     float screened[kMaxCandidates], first_ms = 0.0f, best_ms = 0.0f;
     for (int i = 0; i < cands.n && err == cudaSuccess; ++i) {
       screened[i] = -1.0f;
-      if (Matmul(w, ref, x, C, &cands.a[i], stream) != CUBLAS_STATUS_SUCCESS) continue;  // untimed first run
+      if (Matmul(w, ref, x, C, &cands.a[i], stream) != CUBLAS_STATUS_SUCCESS) continue;  // one this problem cannot run
       screened[i] = time(i);
       if (i == 0) first_ms = screened[i];
       if (screened[i] > 0.0f && (best_ms == 0.0f || screened[i] < best_ms)) best_ms = screened[i];
@@ -559,10 +559,7 @@ struct LinearBlas::State {
     float score[kMaxClose];
     for (int j = 0; j < n_close; ++j) score[j] = screened[close[j]];
     for (int round = 0; round < kRounds && n_close > 1 && err == cudaSuccess; ++round)
-      for (int j = 0; j < n_close && err == cudaSuccess; ++j) {
-        const float ms = time(close[j]);
-        if (ms > 0.0f) score[j] = std::min(score[j], ms);
-      }
+      for (int j = 0; j < n_close && err == cudaSuccess; ++j) score[j] = std::min(score[j], time(close[j]));
     int best_i = -1;
     for (int j = 0; j < n_close; ++j)
       if (best_i < 0 || score[j] < score[best_i]) best_i = j;
@@ -633,10 +630,6 @@ struct LinearBlas::State {
     return cudaSuccess;
   }
 
-  static bool PartsFit(int64_t K, int64_t parts) {
-    return parts >= 1 && parts <= kMaxSumParts && K % parts == 0 && (K / parts) % 16 == 0;
-  }
-
   // k_parts = 0: the fastest slice count for (N, K), each count with its fastest algorithm, timed for kRefRows
   // stacked rows at the first use; more slices only when 5% and 1 µs faster (their consumers read more sums, and
   // a small product's timings are noise: a choice that flipped with them would flip its model's rounding from one
@@ -676,6 +669,10 @@ struct LinearBlas::State {
     return cudaSuccess;
   }
 };
+
+bool LinearBlas::PartsFit(int64_t K, int64_t parts) {
+  return parts >= 1 && parts <= kMaxSumParts && K % parts == 0 && (K / parts) % 16 == 0;
+}
 
 LinearBlas::LinearBlas() : s_(std::make_unique<State>()) {}
 LinearBlas::~LinearBlas() = default;
@@ -728,7 +725,7 @@ cudaError_t LinearBlas::Product(const LinearArgs& a, cudaStream_t stream, Sums* 
   K3_CUDA_TRY(Check(a, !unfolded));
   if (!s.lt || (unfolded && a.groups != 1)) return cudaErrorInvalidValue;
   if (a.k_parts < 0 || (a.k_parts != 1 && a.groups != 1) ||
-      (a.k_parts > 1 && !State::PartsFit(a.K, a.k_parts)))
+      (a.k_parts > 1 && !PartsFit(a.K, a.k_parts)))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   int64_t parts = a.k_parts;

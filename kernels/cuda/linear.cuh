@@ -75,6 +75,8 @@ class LinearBlas {
   LinearBlas(const LinearBlas&) = delete;
   LinearBlas& operator=(const LinearBlas&) = delete;
 
+  // Whether K can run as `parts` slices (LinearArgs::k_parts): at most kMaxSumParts of 16-column multiples.
+  static bool PartsFit(int64_t K, int64_t parts);
   // Bytes of workspace for chunks of `rows` rows of a product of N outputs and inner dim K (of `groups` of them).
   static size_t WorkspaceBytes(int64_t rows, int64_t N, int64_t K, int64_t groups = 1);
   // Creates the handle and a workspace of `bytes` (at least WorkspaceBytes(1, N, K) of the largest product).

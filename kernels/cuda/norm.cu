@@ -228,9 +228,12 @@ __global__ __launch_bounds__(kThreads) void GatedRmsNormKernel(int64_t D, const 
   }
 }
 
+// After each overload's own checks: the rows' width, an empty batch, the kernel by width.
 template <class T>
 cudaError_t LaunchGated(int64_t M, int64_t D, const T* x, GateIn gate, const float* w, float eps, Split y,
                         cudaStream_t stream) {
+  if (D > kMaxGatedD) return cudaErrorInvalidValue;
+  if (M == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(M);
   if (D <= kThreads) {
     K3_CUDA_TRY(LaunchKernel(GatedRmsNormKernel<T, 1>, grid, kThreads, 0, stream, D, x, gate, w, eps, y));
@@ -268,27 +271,22 @@ cudaError_t AddRmsNorm(int64_t M, int64_t D, float* x, int64_t ldx, Sums a, Sums
   return LaunchAddRmsNorm(M, D, x, ldx, a, b, rows, w, eps, y, stream);
 }
 
-
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, const float* gate, const float* w, float eps,
                          Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
-  if (M == 0) return cudaSuccess;
+  if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   return LaunchGated(M, D, x, GateIn{gate, Sums{}, 1}, w, eps, y, stream);
 }
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const float* x, const float* gate, const float* w, float eps, Split y,
                          cudaStream_t stream) {
-  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
-  if (M == 0) return cudaSuccess;
+  if (Bad(M, D, x, y) || !gate || !w || y.ld != D) return cudaErrorInvalidValue;
   return LaunchGated(M, D, x, GateIn{gate, Sums{}, 1}, w, eps, y, stream);
 }
 
 cudaError_t GatedRmsNorm(int64_t M, int64_t D, const __nv_bfloat16* x, Sums gate, int64_t H, const float* w,
                          float eps, Split y, cudaStream_t stream) {
-  if (Bad(M, D, x, y) || D > kMaxGatedD || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D ||
-      !gate.PartsOk())
+  if (Bad(M, D, x, y) || !gate.p || !w || y.ld != D || H < 1 || M % H != 0 || gate.ld < H * D || !gate.PartsOk())
     return cudaErrorInvalidValue;
-  if (M == 0) return cudaSuccess;
   return LaunchGated(M, D, x, GateIn{nullptr, gate, H}, w, eps, y, stream);
 }
 
