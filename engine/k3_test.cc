@@ -179,7 +179,7 @@ TEST(K3Configs, KimiLinear48bIsTheReleasedShape) {
   EXPECT_NEAR(active / 1e9, 3, 0.5);   // A3B (3.5B with the embeddings and the LM head)
 }
 
-// Issue 5's end-to-end model: d 2304, 32 KDA heads of 128, 256 experts top-8 of width 1024, 1 shared, vocab
+// The GPU's e2e decode model: d 2304, 32 KDA heads of 128, 256 experts top-8 of width 1024, 1 shared, vocab
 // 163840, 4 layers (3 KDA + 1 MLA, the first dense) — Kimi-Linear-48B's layer shapes.
 TEST(K3Configs, KimiLinearE2eIsTheIssueShape) {
   auto c = ParseFile(ConfigFile("kimi-linear-e2e")), kl = ParseFile(ConfigFile("kimi-linear-48b"));

@@ -1,4 +1,4 @@
-// The GPU engine against the goldens (issue 5's acceptance: greedy ids exact, logits within 2e-2), against
+// The GPU engine against the goldens (the bar: greedy ids exact, logits within 2e-2), against
 // itself (a sequence in a mixed batch == alone), and against the CPU engine on random models whose KDA head
 // dims take the tuned kernels (64, 128; the goldens' 32 runs the small-D kernel).
 //
@@ -119,7 +119,7 @@ std::vector<GoldenReport> RunGolden(const std::string& name) {
   return out;
 }
 
-// Issue 5's acceptance on the Kimi-Linear golden whose weights are bf16.
+// That bar on the Kimi-Linear golden whose weights are bf16.
 TEST(CudaModelGolden, KimiLinearBf16) {
   REQUIRE_GPU();
   for (const GoldenReport& r : RunGolden("tiny-kimi-linear-bf16")) {

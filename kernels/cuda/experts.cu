@@ -286,7 +286,7 @@ __device__ __forceinline__ void TileBody(const TileArgs& a, int e, int s0, unsig
     const int64_t src_row = !xvalid[i] ? 0 : a.slot_pair ? a.slot_pair[s0 + t] / a.top_k : s0 + t;
     xrow[i] = a.src + (split && r >= half ? a.src_lo : 0) + src_row * K;
   }
-  // The weights are read once a step: first out of L2 (kimi-linear-e2e's experts, probe 16: 2152 → 2136 µs).
+  // The weights are read once a step: first out of L2 (kimi-linear-e2e's three layers alone: 2152 → 2136 µs).
   const uint64_t evict_first = ptx::EvictFirstPolicy();
   auto load = [&](int stage, int kt) {
     bf16* sw = smem + stage * kStageElems;
@@ -630,7 +630,7 @@ using SmallTile = TileShape<8, 16, 6>;
 constexpr int64_t kSmallTileMaxPairsPerExpert = 8;
 // SmallTile's Wide shape: the experts with 9 or more pairs (5–7% of the decode step's tiles at kimi-linear-e2e, up
 // to 17 pairs on one expert) in 16-token tiles, so that their weights stream once, not once per 8 tokens. At 8 tokens
-// a tile the time follows the tiles, not the distinct experts (engine/cuda/README.md, stop 18). Five stages fit the
+// a tile the time follows the tiles, not the distinct experts (docs/performance-log.md, b5ac3e3). Five stages fit the
 // same shared memory.
 using WideTile = TileShape<8, 32, 5>;
 

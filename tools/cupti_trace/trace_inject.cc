@@ -1,7 +1,7 @@
 // A kernel timeline where nsys is missing (the device machine): a CUPTI library the CUDA driver loads at start-up
 // (CUDA_INJECTION64_PATH=…/libk3serve-cupti-trace.so) that records every kernel's, memset's and copy's start, end,
 // stream and name, graph nodes included, and writes them as CSV to $TRACE_OUT at exit. tools/cupti_trace/steps.py
-// turns a trace of k3serve-bench-e2e into what each kernel adds to a decode step (engine/cuda/README.md, "Stop 13").
+// turns a trace of k3serve-bench-e2e into what each kernel adds to a decode step (docs/performance-log.md, 215f4ae).
 #include <cupti.h>
 #include <cxxabi.h>
 
