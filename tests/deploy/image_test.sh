@@ -30,7 +30,8 @@ cleanup() {
 trap cleanup EXIT
 "$src/deploy/docker/stage.sh" "$build" "$work" > /dev/null
 start=$(date +%s)
-podman build -q -f "$work/Dockerfile.cpu" -t "$image" "$work" > "$work/build.log" 2>&1 ||
+# --layers=false: no intermediate images stay behind once the test removes its image.
+podman build -q --layers=false -f "$work/Dockerfile.cpu" -t "$image" "$work" > "$work/build.log" 2>&1 ||
   { cat "$work/build.log"; fail "podman build"; }
 echo "ok: podman build in $(( $(date +%s) - start )) s, $(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1 / 1e6}')"
 
