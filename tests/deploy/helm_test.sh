@@ -76,3 +76,13 @@ expect cpu-single-node-values 'type: NodePort' "a NodePort Service"
 ! grep -q 'kind: PodDisruptionBudget' "$work/cpu-single-node-values.yaml" || fail "single node: no PDBs"
 ! grep -q 'nvidia.com/gpu' "$work/default.yaml" || fail "default: no GPUs"
 echo "ok: every values file renders what it asks for"
+
+# The packaged chart carries the dashboards and rules the symlinks point at.
+"$helm" package "$chart" -d "$work/pkg" > /dev/null 2>&1 || fail "helm package"
+tar -tzf "$work"/pkg/k3serve-*.tgz > "$work/pkg.txt"
+for f in k3serve/dashboards/k3serve.json k3serve/dashboards/k3serve-expert-load.json k3serve/prometheus/rules.yml \
+         k3serve/values.schema.json; do
+  grep -qx "$f" "$work/pkg.txt" || { cat "$work/pkg.txt"; fail "helm package lacks $f"; }
+done
+! grep -q 'dashboards.py\|/ci/' "$work/pkg.txt" || fail "helm package carries the generator or ci/"
+echo "ok: helm package carries the dashboards and the rules"
