@@ -16,6 +16,14 @@ v1::FinishReason ToProto(FinishReason r) {
 
 grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID_ARGUMENT, msg}; }
 
+// IsCancelled() is true both when the client cancels and when its deadline passes; the status
+// (and k3serve_requests_total's code) tells them apart.
+grpc::Status ClientGone(const grpc::ServerContext& ctx, const char* what) {
+  if (ctx.deadline() <= std::chrono::system_clock::now())
+    return {grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"};
+  return {grpc::StatusCode::CANCELLED, what};
+}
+
 }  // namespace
 
 InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg) : options_(std::move(options)) {
@@ -90,7 +98,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     if (ctx->IsCancelled()) {  // client cancel or deadline: free the sequence
       loop->Abort(id);
       release_name();
-      return Finish({grpc::StatusCode::CANCELLED, "cancelled by the client"});
+      return Finish(ClientGone(*ctx, "cancelled by the client"));
     }
     for (StepOutput& o : (*stream)->Next(std::chrono::milliseconds(50))) {
       v1::GenerateResponse resp;
@@ -118,7 +126,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       if (!writer->Write(resp)) {  // the client went away
         loop->Abort(id);
         release_name();
-        return Finish({grpc::StatusCode::CANCELLED, "stream closed by the client"});
+        return Finish(ClientGone(*ctx, "stream closed by the client"));
       }
       if (o.finish != FinishReason::kNone) {
         release_name();

@@ -1,20 +1,22 @@
-// A small Prometheus metrics registry: counter, gauge and histogram families with fixed label
-// names, exposed in the text format 0.0.4 (prometheus-cpp is not packaged on Debian 12).
+// Prometheus metrics on prometheus-cpp (DESIGN §4): a thin adapter that keeps the services'
+// call sites small. Families have fixed label names declared once; a child is looked up by its
+// label values, positionally, and kept by reference on hot paths.
 //
 //   metrics::Registry registry;
 //   K3_ASSIGN_OR_RETURN(auto* requests,
 //                       registry.AddCounter("k3serve_requests_total", "Requests.", {"code"}));
-//   metrics::Counter& ok = requests->WithLabels({"200"});  // look up once (takes a lock) ...
-//   ok.Inc();                                               // ... update lock-free on the hot path
-//   std::string text = registry.Expose();
+//   metrics::Counter& ok = requests->WithLabels({"OK"});  // look up once (takes a lock) ...
+//   ok.Inc();                                              // ... then update it directly
+//   std::string text = registry.Expose();                  // prometheus::TextSerializer
 //
-// Errors in a metric's definition (invalid or duplicate names, bad bucket bounds) come back as
-// absl::Status from Registry::Add*. Passing the wrong number of label values to WithLabels is a
-// programming error and aborts with a message.
+// Label values must come from bounded sets (status codes, layers, registered nodes), never from
+// what a caller sends: every distinct tuple is a series kept for the process's lifetime.
+// Errors in a metric's definition (invalid or duplicate names, bad bucket bounds, a counter not
+// named *_total) come back as absl::Status from Registry::Add*. Passing the wrong number of label
+// values to WithLabels is a programming error and aborts with a message.
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -30,64 +32,65 @@
 #include "absl/types/span.h"
 #include "common/status.h"
 
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
 namespace k3::metrics {
+
+template <typename T>
+class Family;
 
 // A value that only goes up (Prometheus reads a drop as a process restart).
 class Counter {
  public:
-  // v must be >= 0 (checked in debug builds).
-  void Inc(double v = 1.0);
-  double Value() const { return value_.load(std::memory_order_relaxed); }
+  using NativeFamily = prometheus::Family<prometheus::Counter>;
+  void Inc(double v = 1.0);  // v < 0 is ignored
+  double Value() const;
 
  private:
-  std::atomic<double> value_{0.0};
+  friend class Family<Counter>;
+  explicit Counter(prometheus::Counter& c) : c_(c) {}
+  prometheus::Counter& c_;
 };
 
 // A value that goes up and down.
 class Gauge {
  public:
-  void Set(double v) { value_.store(v, std::memory_order_relaxed); }
-  void Add(double v) { value_.fetch_add(v, std::memory_order_relaxed); }
+  using NativeFamily = prometheus::Family<prometheus::Gauge>;
+  void Set(double v);
+  void Add(double v);
   void Inc() { Add(1.0); }
   void Dec() { Add(-1.0); }
-  double Value() const { return value_.load(std::memory_order_relaxed); }
+  double Value() const;
 
  private:
-  std::atomic<double> value_{0.0};
+  friend class Family<Gauge>;
+  explicit Gauge(prometheus::Gauge& g) : g_(g) {}
+  prometheus::Gauge& g_;
 };
-
-template <typename T>
-class Family;
 
 // Observations counted into buckets by upper bound (`le`), plus their sum and count.
 class Histogram {
  public:
+  using NativeFamily = prometheus::Family<prometheus::Histogram>;
   void Observe(double v);
-
-  struct Snapshot {
-    std::vector<uint64_t> cumulative;  // one per bound, then +Inf (== count)
-    double sum = 0.0;
-    uint64_t count = 0;
-  };
-  // Buckets and count are consistent with each other; sum may trail concurrent observations.
-  Snapshot Read() const;
 
  private:
   friend class Family<Histogram>;
-  // bounds: the family's, which outlive this child.
-  explicit Histogram(absl::Span<const double> bounds);
-
-  absl::Span<const double> bounds_;
-  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // non-cumulative, bounds_.size() + 1
-  std::atomic<double> sum_{0.0};
+  explicit Histogram(prometheus::Histogram& h) : h_(h) {}
+  prometheus::Histogram& h_;
 };
 
 // `count` bounds start, start*factor, start*factor^2, ... (for latencies, sizes).
 std::vector<double> ExponentialBuckets(double start, double factor, int count);
 
 namespace internal {
-
-enum class MetricType { kCounter, kGauge, kHistogram };
 
 // Orders label-value tuples so a lookup by string_views needs no allocation.
 struct LabelValuesLess {
@@ -100,52 +103,30 @@ struct LabelValuesLess {
   }
 };
 
-class FamilyBase {
- public:
-  FamilyBase(std::string name, std::string help, std::vector<std::string> label_names)
-      : name_(std::move(name)), help_(std::move(help)), label_names_(std::move(label_names)) {}
-  virtual ~FamilyBase() = default;
-  FamilyBase(const FamilyBase&) = delete;
-  FamilyBase& operator=(const FamilyBase&) = delete;
-
-  virtual void AppendText(std::string& out) const = 0;
-
- protected:
-  // `a="x",b="y"` with values escaped; computed once per child.
-  std::string RenderLabels(absl::Span<const std::string_view> values) const;
-  void CheckArity(size_t n) const;
-
-  const std::string name_;
-  const std::string help_;
-  const std::vector<std::string> label_names_;
-};
-
 }  // namespace internal
 
 // All children of one metric name, one per tuple of label values. Owned by the Registry.
 template <typename T>
-class Family final : public internal::FamilyBase {
+class Family {
  public:
   // Returns the child for these label values (one per label name, in declaration order; none
   // for a family without labels), creating it at zero. The reference stays valid for the
-  // Registry's lifetime, so hot paths should look it up once and keep it.
+  // Registry's lifetime.
   T& WithLabels(absl::Span<const std::string_view> values = {});
-
-  void AppendText(std::string& out) const override;
 
  private:
   friend class Registry;
-  Family(std::string name, std::string help, std::vector<std::string> label_names,
-         std::vector<double> bounds);
+  Family(typename T::NativeFamily& native, std::string name, std::vector<std::string> label_names,
+         std::vector<double> bounds)
+      : native_(native), name_(std::move(name)), label_names_(std::move(label_names)),
+        bounds_(std::move(bounds)) {}
 
-  struct Child {
-    std::string labels;  // rendered, see RenderLabels
-    std::unique_ptr<T> metric;
-  };
-
+  typename T::NativeFamily& native_;
+  const std::string name_;
+  const std::vector<std::string> label_names_;
   const std::vector<double> bounds_;  // histograms only
-  mutable std::mutex mu_;
-  std::map<std::vector<std::string>, Child, internal::LabelValuesLess> children_;
+  std::mutex mu_;
+  std::map<std::vector<std::string>, std::unique_ptr<T>, internal::LabelValuesLess> children_;
 };
 
 extern template class Family<Counter>;
@@ -154,14 +135,15 @@ extern template class Family<Histogram>;
 
 class Registry {
  public:
-  Registry() = default;
+  Registry();
+  ~Registry();
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
 
-  // name: [a-zA-Z_:][a-zA-Z0-9_:]*; label names: [a-zA-Z_][a-zA-Z0-9_]*, not starting with "__",
-  // distinct, and not "le" for histograms; help: non-empty. A name (or a histogram's _bucket,
-  // _sum, _count series) that clashes with an existing family is AlreadyExists. A family
-  // without labels exposes its single child from the start.
+  // name: [a-zA-Z_:][a-zA-Z0-9_:]*, a counter's ending in _total; label names:
+  // [a-zA-Z_][a-zA-Z0-9_]*, not starting with "__", distinct, and not "le" for histograms; help:
+  // non-empty. A name (or a histogram's _bucket, _sum, _count series) that clashes with an
+  // existing family is AlreadyExists. A family without labels exposes its child from the start.
   absl::StatusOr<Family<Counter>*> AddCounter(std::string name, std::string help,
                                               std::vector<std::string> label_names = {});
   absl::StatusOr<Family<Gauge>*> AddGauge(std::string name, std::string help,
@@ -192,27 +174,24 @@ class Registry {
   // The registry must outlive the handle.
   [[nodiscard]] CollectorHandle AddCollector(std::function<void()> collect);
 
-  // The text exposition format 0.0.4, families ordered by name and children by label values.
+  // The text exposition format 0.0.4 (prometheus::TextSerializer).
   std::string Expose() const;
 
  private:
   template <typename T>
-  absl::StatusOr<Family<T>*> Add(internal::MetricType type, std::string name, std::string help,
+  absl::StatusOr<Family<T>*> Add(std::string name, std::string help,
                                  std::vector<std::string> label_names, std::vector<double> bounds);
 
+  std::unique_ptr<prometheus::Registry> registry_;
   mutable std::mutex mu_;
   std::set<std::string> used_names_;  // family names and their series names
-  std::map<std::string, std::unique_ptr<internal::FamilyBase>> families_;
+  std::vector<std::shared_ptr<void>> families_;  // Family<T>s, each with its own deleter
 
   // Separate from mu_ so collectors may create children or read the registry's families.
   mutable std::mutex collectors_mu_;
   uint64_t next_collector_id_ = 1;
   std::map<uint64_t, std::function<void()>> collectors_;
 };
-
-}  // namespace k3::metrics
-
-namespace k3::metrics {
 
 // For families registered once at startup with fixed, valid names: a failure is a programming
 // error, reported and fatal.

@@ -22,8 +22,8 @@ RouterService::RouterService(ModelConfig config, metrics::Registry& reg) : confi
   m_placements_ = &metrics::Must(reg.AddCounter("k3serve_placement_changes_total", "Placements published."))->WithLabels();
   m_imbalance_ = metrics::Must(reg.AddGauge("k3serve_expert_load_imbalance",
                                             "Per MoE layer: max over mean of the tokens routed to each expert since start.", {"layer"}));
-  m_node_load_ = metrics::Must(reg.AddGauge("k3serve_expert_node_load_tokens",
-                                            "Tokens routed to the slots of each expert node since start (all layers).", {"node"}));
+  m_node_load_ = metrics::Must(reg.AddCounter("k3serve_expert_node_load_tokens_total",
+                                              "Tokens routed to the slots of each expert node (all layers).", {"node"}));
   m_failures_ = metrics::Must(reg.AddCounter("k3serve_expert_node_failures_total", "Expert nodes dropped, by reason.", {"reason"}));
   placer_ = std::thread([this] { PlacerLoop(); });
 }
@@ -130,8 +130,10 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
       return {grpc::StatusCode::INVALID_ARGUMENT,
               absl::StrCat("layers.tokens_per_expert has ", l.tokens_per_expert_size(), " entries, expected ", config_.num_experts)};
   }
+  std::vector<std::vector<int64_t>> reported(load_.size());  // this report's tokens, by layer
   for (const auto& l : req->layers()) {
     auto& row = load_[l.layer()];
+    reported[l.layer()].assign(l.tokens_per_expert().begin(), l.tokens_per_expert().end());
     for (int e = 0; e < l.tokens_per_expert_size(); ++e) row[e] += l.tokens_per_expert(e);
     const int64_t total = std::accumulate(row.begin(), row.end(), int64_t{0});
     if (total > 0) {
@@ -142,8 +144,9 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
   if (placement_) {
     for (size_t n = 0; n < placement_->nodes.size(); ++n) {
       int64_t tokens = 0;
-      for (const Slot& s : placement_->SlotsOf(static_cast<int32_t>(n))) tokens += load_[s.layer][s.expert];
-      m_node_load_->WithLabels({placement_->nodes[n].node_id}).Set(static_cast<double>(tokens));
+      for (const Slot& s : placement_->SlotsOf(static_cast<int32_t>(n)))
+        if (!reported[s.layer].empty()) tokens += reported[s.layer][s.expert];
+      m_node_load_->WithLabels({placement_->nodes[n].node_id}).Inc(static_cast<double>(tokens));
     }
   }
   return grpc::Status::OK;

@@ -67,7 +67,7 @@ class RouterService final : public v1::Router::Service {
   metrics::Gauge* m_attention_nodes_;
   metrics::Counter* m_placements_;
   metrics::Family<metrics::Gauge>* m_imbalance_;
-  metrics::Family<metrics::Gauge>* m_node_load_;
+  metrics::Family<metrics::Counter>* m_node_load_;
   metrics::Family<metrics::Counter>* m_failures_;
 };
 
