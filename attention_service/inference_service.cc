@@ -1,6 +1,7 @@
 #include "attention_service/inference_service.h"
 
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/grpc_server.h"
 
 namespace k3 {
@@ -54,6 +55,7 @@ grpc::Status InferenceService::Finish(const grpc::Status& s) {
 grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
   const absl::Time arrival = absl::Now();
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Finish(s);
   EngineLoop* loop = loop_.load();
   if (loop == nullptr) return Finish({grpc::StatusCode::UNAVAILABLE, "the model is still loading"});
   if (!req->model().empty() && req->model() != options_.model_name)
@@ -72,6 +74,7 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   p.seed = s.seed().value();
   p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
   p.ignore_eos = s.ignore_eos();
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) p.deadline = absl::FromChrono(ctx->deadline());
   if (!options_.ready()) return Finish({grpc::StatusCode::UNAVAILABLE, "experts are not placed yet (no complete placement)"});
 
   const uint64_t id = next_id_++;
@@ -137,7 +140,8 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   }
 }
 
-grpc::Status InferenceService::Abort(grpc::ServerContext*, const v1::AbortRequest* req, v1::AbortResponse* resp) {
+grpc::Status InferenceService::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) {
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return s;
   if (req->request_id().empty()) return Invalid("request_id must not be empty");
   uint64_t id = 0;
   {
@@ -150,7 +154,8 @@ grpc::Status InferenceService::Abort(grpc::ServerContext*, const v1::AbortReques
   return grpc::Status::OK;
 }
 
-grpc::Status InferenceService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*, v1::ModelInfo* resp) {
+grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest*, v1::ModelInfo* resp) {
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return s;
   const ModelConfig* config = config_.load();
   if (config == nullptr) return {grpc::StatusCode::UNAVAILABLE, "the model is still loading"};
   const ModelConfig& c = *config;

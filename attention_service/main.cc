@@ -15,11 +15,13 @@
 #ifdef K3SERVE_HAVE_CUDA
 #include "engine/cuda/cuda_backend.h"
 #endif
+#include "common/auth.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
 #include "common/service.h"
 #include "common/signals.h"
+#include "common/tls.h"
 #include "router/dispatcher.h"
 #include "router/load_counter.h"
 #include "router/router_client.h"
@@ -39,7 +41,10 @@ ABSL_FLAG(int64_t, max_waiting, 256, "queued requests beyond which Generate answ
 ABSL_FLAG(int64_t, max_context, 0, "prompt + generated tokens per request (0: the model's model_max_length)");
 ABSL_FLAG(int32_t, max_tokens_limit, 4096, "largest max_tokens a request may ask for");
 ABSL_FLAG(bool, ping_pong, true, "split each step into two micro-batches that overlap expert dispatch");
-ABSL_FLAG(int, dispatch_timeout_ms, 10000, "an MoE dispatch that takes longer fails with DEADLINE_EXCEEDED");
+ABSL_FLAG(int, dispatch_timeout_ms, 0,
+          "an expert node that leaves an MoE dispatch unanswered this long is reported and avoided; the dispatch is "
+          "retried on a replica, else fails UNAVAILABLE (0: 500 ms above twice the slowest recent round trip)");
+ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "longest prompt accepted (INVALID_ARGUMENT beyond; 0: only --max-context bounds it)");
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with K3SERVE_CUDA)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once listening");
 
@@ -124,6 +129,12 @@ int main(int argc, char** argv) {
     model_name = d.substr(d.rfind('/') + 1);
   }
 
+  if (auto s = k3::auth::LoadFromFlags(); !s.ok()) return Fail("auth", s);
+  // The public API: server TLS (clients are not asked for certificates; API keys authenticate them).
+  auto creds = k3::tls::ServerCredentialsFromFlags(/*mutual=*/false);
+  if (!creds.ok()) return Fail("TLS", creds.status());
+  if (auto c = k3::tls::ChannelCredentialsFromFlags(); !c.ok()) return Fail("TLS", c.status());
+  k3::tls::ReloadOnSighup("k3serve-attention");
   k3::metrics::Registry registry;
   // The port and health (NOT_SERVING) come up first, so that orchestration sees the node while it
   // loads; requests get UNAVAILABLE until the engine is attached.
@@ -136,7 +147,7 @@ int main(int argc, char** argv) {
     return d != nullptr && d->ready();
   };
   k3::InferenceService service(iopt, registry);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service}, *creds);
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
   auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!h.ok()) return Fail("metrics", h.status());
@@ -147,6 +158,7 @@ int main(int argc, char** argv) {
   eopt.max_running = absl::GetFlag(FLAGS_max_running);
   eopt.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   eopt.max_context = absl::GetFlag(FLAGS_max_context);
+  eopt.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   eopt.max_new_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
   // Everything but the routed experts, on the CPU or the GPU.
   auto load_start = absl::Now();
@@ -181,7 +193,9 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "k3serve-attention %s: loaded %s on %s in %.0f ms\n", node_id.c_str(), model_dir.c_str(),
                device.c_str(), absl::ToDoubleMilliseconds(absl::Now() - load_start));
 
-  auto transport = k3::dataplane::NewUcxTransport();
+  k3::dataplane::UcxOptions ucx;
+  ucx.host = absl::GetFlag(FLAGS_host);
+  auto transport = k3::dataplane::NewUcxTransport(ucx);
   if (!transport.ok()) return Fail("UCX", transport.status());
 
   auto* dispatch_seconds = k3::metrics::Must(registry.AddHistogram(
@@ -194,6 +208,7 @@ int main(int argc, char** argv) {
   Reporter* reporter = nullptr;
   k3::router::DispatcherOptions dopt;
   dopt.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_dispatch_timeout_ms));
+  dopt.node_token = k3::auth::NodeToken();
   dopt.on_part = [&](const std::string& node, size_t out, size_t in, absl::Duration took) {
     dispatch_seconds->WithLabels({node}).Observe(absl::ToDoubleSeconds(took));
     dispatch_bytes->WithLabels({node, "out"}).Inc(static_cast<double>(out));
@@ -219,7 +234,7 @@ int main(int argc, char** argv) {
     }
     const absl::Status s = dispatcher.SetPlacement(std::make_shared<const k3::router::PlacementTable>(std::move(*table)));
     if (!s.ok()) std::fprintf(stderr, "k3serve-attention: placement v%lu: %s\n", static_cast<unsigned long>(p.version()), std::string(s.message()).c_str());
-    placement_version->Set(static_cast<double>(p.version()));
+    placement_version->Set(static_cast<double>(dispatcher.placement_version()));
   });
   Reporter rep(router, counted, node_id);
   reporter = &rep;

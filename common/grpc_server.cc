@@ -7,12 +7,13 @@
 
 namespace k3 {
 
-absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services) {
+absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services,
+                                           std::shared_ptr<grpc::ServerCredentials> credentials) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   GrpcServer out;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &out.port);
+  builder.AddListeningPort(address, credentials ? credentials : grpc::InsecureServerCredentials(), &out.port);
   builder.SetMaxReceiveMessageSize(64 << 20);
   for (grpc::Service* s : services) builder.RegisterService(s);
   out.server = builder.BuildAndStart();

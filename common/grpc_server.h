@@ -24,7 +24,9 @@ struct GrpcServer {
 
 // Builds and starts a server on `address` ("host:port"; port 0 picks one) with the given services,
 // the standard health service (NOT_SERVING until SetServing(true)) and server reflection.
-absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services);
+// `credentials`: TLS (common/tls.h); null means plaintext.
+absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services,
+                                           std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
 
 // absl::Status as grpc::Status (the codes are numerically identical).
 grpc::Status ToGrpc(const absl::Status& s);

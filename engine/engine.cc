@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/time/clock.h"
+
 namespace k3 {
 
 const char* FinishReasonName(FinishReason r) {
@@ -28,6 +30,9 @@ absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const Sampling
       return absl::InvalidArgumentError(
           absl::StrCat("prompt_ids[", i, "] = ", prompt[i], " is outside the vocabulary [0, ", V, ")"));
   K3_RETURN_IF_ERROR(ValidateSampling(p, V));
+  if (options_.max_prompt_tokens > 0 && static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens)
+    return absl::InvalidArgumentError(absl::StrCat("prompt_ids has ", prompt.size(), " tokens; the limit is ",
+                                                   options_.max_prompt_tokens, " (--max-prompt-tokens)"));
   if (p.max_new_tokens > options_.max_new_tokens_limit)
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens = ", p.max_new_tokens, " exceeds the limit ", options_.max_new_tokens_limit));
@@ -87,31 +92,60 @@ bool Engine::IsStop(const Sequence& s, int32_t token) const {
   return std::find(eos.begin(), eos.end(), token) != eos.end();
 }
 
+void Engine::ExpireDeadlines(std::vector<StepOutput>* out) {
+  const absl::Time now = absl::Now();
+  std::vector<uint64_t> expired;
+  for (uint64_t id : order_)
+    if (sequences_.at(id)->params.deadline <= now) expired.push_back(id);
+  for (uint64_t id : expired) {
+    const Sequence& s = *sequences_.at(id);
+    const char* where = s.state < 0 ? "waiting" : s.consumed < s.prompt_len ? "prefilling" : "decoding";
+    StepOutput o;
+    o.id = id;
+    o.finish = FinishReason::kError;
+    o.error = absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
+    o.prompt_tokens = s.prompt_len;
+    o.generated_tokens = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+    out->push_back(std::move(o));
+    Drop(id);
+  }
+}
+
 std::vector<StepOutput> Engine::Step() {
   std::vector<StepOutput> out;
+  ExpireDeadlines(&out);
   const ModelConfig& c = backend_.config();
-  // Build the batch in admission order: decode tokens cost 1, prefill chunks take what is left of
-  // the token budget. A sequence starts running (gets state) when it first enters a batch.
+  // Decode tokens first (1 each), then prefill chunks fill what is left of the token budget, in
+  // admission order. A sequence starts running (gets state) when it first enters a batch.
   int64_t budget = options_.max_batch_tokens, running = 0;
   std::vector<Sequence*> batch;
   std::vector<BatchChunk> chunks;
-  for (uint64_t id : order_) {
-    if (budget <= 0) break;
-    Sequence& s = *sequences_.at(id);
-    if (s.state < 0) {
-      if (running >= options_.max_running) break;
-      auto state = backend_.NewSequence();
-      if (!state.ok()) break;  // the backend is full: wait for a sequence to finish
-      s.state = *state;
-    }
-    ++running;
-    const int64_t pending = static_cast<int64_t>(s.tokens.size()) - s.consumed;
-    const int64_t n = std::min(pending, budget);
+  auto add = [&](Sequence& s, int64_t n) {
     budget -= n;
     const bool last = s.consumed + n == static_cast<int64_t>(s.tokens.size());
     batch.push_back(&s);
     chunks.push_back({s.state, std::span<const int32_t>(s.tokens).subspan(s.consumed, n),
                       last ? LogitsMode::kLast : LogitsMode::kNone});
+  };
+  auto pending = [](const Sequence& s) { return static_cast<int64_t>(s.tokens.size()) - s.consumed; };
+  for (uint64_t id : order_) {
+    Sequence& s = *sequences_.at(id);
+    if (s.state < 0) continue;
+    ++running;
+    if (pending(s) == 1 && budget > 0) add(s, 1);
+  }
+  for (uint64_t id : order_) {
+    if (budget <= 0) break;
+    Sequence& s = *sequences_.at(id);
+    if (s.state >= 0 && pending(s) == 1) continue;  // a decode, batched above
+    if (s.state < 0) {
+      if (running >= options_.max_running) break;
+      auto state = backend_.NewSequence();
+      if (!state.ok()) break;  // the backend is full: wait for a sequence to finish
+      s.state = *state;
+      ++running;
+    }
+    add(s, std::min(pending(s), budget));
   }
   if (batch.empty()) return out;
 

@@ -3,6 +3,8 @@
 //
 // Each Step() runs one ragged batch that mixes decode tokens of running sequences and prefill
 // chunks of new ones (chunked prefill under a token budget), samples, and reports new tokens.
+// Decode tokens go first and prefill chunks fill the rest of the budget, so a long prompt delays
+// the others' next token by at most one chunk.
 // Not thread-safe: one thread owns the engine and calls Add/Abort/Step.
 #pragma once
 
@@ -22,6 +24,7 @@ struct EngineOptions {
   int64_t max_running = 64;         // sequences holding state at once
   int64_t max_waiting = 1024;       // queued sequences beyond which Add says RESOURCE_EXHAUSTED
   int64_t max_context = 0;          // prompt + generated tokens; 0: the model's model_max_length
+  int64_t max_prompt_tokens = 0;    // longer prompts get INVALID_ARGUMENT; 0: only max_context bounds them
   int64_t max_new_tokens_limit = 1 << 16;
 };
 
@@ -74,6 +77,8 @@ class Engine {
 
   // Frees the sequence's state and forgets it.
   void Drop(uint64_t id);
+  // Ends the sequences whose deadline has passed (DEADLINE_EXCEEDED).
+  void ExpireDeadlines(std::vector<StepOutput>* out);
 
   Backend& backend_;
   EngineOptions options_;

@@ -5,6 +5,10 @@
 
 #include <map>
 #include <random>
+#include <set>
+#include <thread>
+
+#include "absl/time/clock.h"
 
 #include "tests/testing.h"
 
@@ -222,6 +226,65 @@ TEST(Sampler, DistributionMatchesReference) {
     const auto ref = SamplingDistributionRef(logits.data(), 8, p);
     for (int i = 0; i < 8; ++i) EXPECT_NEAR(freq[i], ref[i], 0.005) << "t=" << t << " k=" << k << " p=" << top_p << " id " << i;
   }
+}
+
+// Decode tokens go first: while a long prompt prefills in chunks, every step still gives each
+// decoding sequence its next token, and the prompt takes the rest of the budget.
+TEST(Engine, DecodesFirstPrefillFillsTheRest) {
+  const Model& m = Tiny();
+  LocalExpertExecutor experts(m.config(), m.weights());
+  CpuBackend backend(m, experts);
+  EngineOptions opt;
+  opt.max_batch_tokens = 32;
+  Engine e(backend, opt);
+  ASSERT_TRUE(e.Add(1, Ids(4, 1), Greedy(20)).ok());
+  ASSERT_TRUE(e.Add(2, Ids(4, 2), Greedy(20)).ok());
+  e.Step();  // both short prompts prefill
+  ASSERT_TRUE(e.Add(3, Ids(300, 3), Greedy(1)).ok());
+  int steps = 0;
+  bool long_done = false;
+  while (!long_done) {
+    std::set<uint64_t> got;
+    for (const auto& o : e.Step()) {
+      if (!o.tokens.empty()) got.insert(o.id);
+      if (o.id == 3 && o.finish != FinishReason::kNone) long_done = true;
+    }
+    ++steps;
+    EXPECT_TRUE(got.count(1) && got.count(2)) << "step " << steps << " starved a decoding sequence";
+  }
+  // 300 prompt tokens at 32 - 2 per step.
+  EXPECT_EQ(steps, (300 + 29) / 30);
+}
+
+TEST(Engine, PromptLimitAndDeadlines) {
+  const Model& m = Tiny();
+  LocalExpertExecutor experts(m.config(), m.weights());
+  CpuBackend backend(m, experts);
+  EngineOptions opt;
+  opt.max_prompt_tokens = 100;
+  opt.max_batch_tokens = 16;
+  Engine e(backend, opt);
+  const absl::Status s = e.Add(1, Ids(101, 1), Greedy(1));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("max-prompt-tokens"), std::string::npos) << s;
+  // A deadline passes while the request prefills (16 of its 100 tokens per step), or while it waits.
+  SamplingParams p = Greedy(4);
+  p.deadline = absl::Now() + absl::Milliseconds(30);
+  ASSERT_TRUE(e.Add(3, Ids(100, 3), p).ok());
+  e.Step();
+  ASSERT_TRUE(e.Add(2, Ids(100, 2), Greedy(1)).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  p.deadline = absl::Now() - absl::Milliseconds(1);
+  ASSERT_TRUE(e.Add(4, Ids(5, 4), p).ok());
+  std::map<uint64_t, absl::Status> errors;
+  while (e.HasWork())
+    for (const auto& o : e.Step())
+      if (o.finish == FinishReason::kError) errors[o.id] = o.error;
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(errors[3])) << errors[3];
+  EXPECT_NE(errors[3].message().find("prefilling"), std::string::npos) << errors[3];
+  EXPECT_TRUE(absl::IsDeadlineExceeded(errors[4])) << errors[4];
+  EXPECT_NE(errors[4].message().find("waiting"), std::string::npos) << errors[4];
 }
 
 }  // namespace

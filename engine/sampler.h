@@ -5,6 +5,8 @@
 #include <random>
 #include <vector>
 
+#include "absl/time/time.h"
+
 #include "common/status.h"
 
 namespace k3 {
@@ -18,6 +20,8 @@ struct SamplingParams {
   int32_t max_new_tokens = 16;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // The request ends with DEADLINE_EXCEEDED once this passes, while waiting, prefilling or decoding.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 // Checks ranges; errors name the field.

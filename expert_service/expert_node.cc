@@ -1,9 +1,11 @@
 #include "expert_service/expert_node.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/grpc_server.h"
 #include "engine/expert_executor.h"
 #include "router/wire.h"
@@ -38,14 +40,34 @@ ExpertNode::~ExpertNode() { Stop(); }
 absl::Status ExpertNode::Listen(dataplane::Transport& transport, const std::string& address) {
   dataplane::ServerCallbacks cb;
   cb.on_message = [this](dataplane::ConnectionId from, dataplane::Buffer msg) {
+    if (!Admit(from, msg)) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back({from, std::move(msg)});
     }
     cv_.notify_one();
   };
+  cb.on_closed = [this](dataplane::ConnectionId conn, absl::Status) { greeted_.erase(conn); };
   K3_ASSIGN_OR_RETURN(server_, transport.Listen(address, std::move(cb)));
   return absl::OkStatus();
+}
+
+bool ExpertNode::Admit(dataplane::ConnectionId from, const dataplane::Buffer& msg) {
+  if (greeted_.count(from) || options_.node_token.empty()) {
+    auto type = wire::PeekType(msg.span());
+    return !type.ok() || *type != wire::MessageType::kHello;  // a Hello is not work
+  }
+  const absl::Status s = wire::CheckHello(msg.span(), options_.node_token);
+  if (s.ok()) {
+    greeted_.insert(from);
+  } else {
+    // No reply: a client without the token learns nothing but that the connection closed.
+    m_errors_->WithLabels({absl::StatusCodeToString(s.code())}).Inc();
+    std::fprintf(stderr, "expert node %s: closing a data-plane connection: %s\n", options_.node_id.c_str(),
+                 std::string(s.message()).c_str());
+    if (server_) server_->Close(from);
+  }
+  return false;
 }
 
 const std::string& ExpertNode::data_address() const { return server_->address(); }
@@ -61,7 +83,8 @@ void ExpertNode::Stop() {
   server_.reset();
 }
 
-grpc::Status ExpertNode::LoadSlots(grpc::ServerContext*, const v1::LoadSlotsRequest* req, v1::LoadSlotsResponse* resp) {
+grpc::Status ExpertNode::LoadSlots(grpc::ServerContext* ctx, const v1::LoadSlotsRequest* req, v1::LoadSlotsResponse* resp) {
+  if (auto s = auth::RequireAdmin(*ctx, "LoadSlots"); !s.ok()) return s;
   auto next = std::make_shared<Slots>();
   next->version = req->version();
   for (const auto& s : req->slots()) {
@@ -96,12 +119,14 @@ grpc::Status ExpertNode::LoadSlots(grpc::ServerContext*, const v1::LoadSlotsRequ
   return grpc::Status::OK;
 }
 
-grpc::Status ExpertNode::Drain(grpc::ServerContext*, const v1::DrainRequest*, v1::DrainResponse*) {
+grpc::Status ExpertNode::Drain(grpc::ServerContext* ctx, const v1::DrainRequest*, v1::DrainResponse*) {
+  if (auto s = auth::RequireAdmin(*ctx, "Drain"); !s.ok()) return s;
   draining_ = true;
   return grpc::Status::OK;
 }
 
-grpc::Status ExpertNode::Status(grpc::ServerContext*, const v1::StatusRequest*, v1::ExpertStatus* resp) {
+grpc::Status ExpertNode::Status(grpc::ServerContext* ctx, const v1::StatusRequest*, v1::ExpertStatus* resp) {
+  if (auto s = auth::RequireNode(*ctx, "Status"); !s.ok()) return s;
   std::shared_ptr<const Slots> s;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -33,6 +33,8 @@ struct ExpertNodeOptions {
   std::string device = "cpu";  // or "cuda" (CUDA builds): the slots' experts on the GPU
   absl::Duration batch_window = absl::Microseconds(200);  // wait this long for more rows
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
+  // Data-plane connections must open with a Hello carrying this token (empty: no handshake needed).
+  std::string node_token;
 };
 
 class ExpertNode final : public v1::ExpertAdmin::Service {
@@ -66,11 +68,14 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   void Worker();
   void RunBatch(std::vector<Item>& items, const Slots& slots);
   void ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s);
+  // The handshake, on the transport's thread: false if the message must not be queued.
+  bool Admit(dataplane::ConnectionId from, const dataplane::Buffer& msg);
 
   const ModelConfig config_;
   const std::shared_ptr<const Checkpoint> checkpoint_;
   const ExpertNodeOptions options_;
   std::unique_ptr<dataplane::Server> server_;
+  std::set<dataplane::ConnectionId> greeted_;  // passed the handshake; transport thread only
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -7,11 +7,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "common/auth.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
 #include "common/service.h"
 #include "common/signals.h"
+#include "common/tls.h"
 #include "expert_service/expert_node.h"
 #include "router/router_client.h"
 #include "router/ucx_transport.h"
@@ -50,6 +52,11 @@ int main(int argc, char** argv) {
     gethostname(host, sizeof(host) - 1);
     node_id = absl::StrCat("expert-", host, "-", getpid());
   }
+  if (auto s = k3::auth::LoadFromFlags(); !s.ok()) return Fail("auth", s);
+  auto creds = k3::tls::ServerCredentialsFromFlags(/*mutual=*/true);
+  if (!creds.ok()) return Fail("TLS", creds.status());
+  if (auto c = k3::tls::ChannelCredentialsFromFlags(); !c.ok()) return Fail("TLS", c.status());
+  k3::tls::ReloadOnSighup("k3serve-expert");
   auto config = k3::LoadModelConfig(absl::GetFlag(FLAGS_model));
   if (!config.ok()) return Fail("config", config.status());
   auto ckpt = k3::Checkpoint::Open(absl::GetFlag(FLAGS_model));
@@ -60,6 +67,7 @@ int main(int argc, char** argv) {
   opt.node_id = node_id;
   opt.batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
   opt.device = absl::GetFlag(FLAGS_device);
+  opt.node_token = k3::auth::NodeToken();
 #ifdef K3SERVE_HAVE_CUDA
   if (opt.device != "cpu" && opt.device != "cuda")
     return Fail("--device", absl::InvalidArgumentError("--device must be \"cpu\" or \"cuda\", got \"" + opt.device + "\""));
@@ -69,11 +77,13 @@ int main(int argc, char** argv) {
 #endif
   k3::ExpertNode node(*config, std::make_shared<const k3::Checkpoint>(std::move(*ckpt)), opt, registry);
 
-  auto transport = k3::dataplane::NewUcxTransport();
+  k3::dataplane::UcxOptions ucx;
+  ucx.host = absl::GetFlag(FLAGS_host);
+  auto transport = k3::dataplane::NewUcxTransport(ucx);
   if (!transport.ok()) return Fail("UCX", transport.status());
   if (auto s = node.Listen(**transport, absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_data_port))); !s.ok())
     return Fail("data plane", s);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&node});
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&node}, *creds);
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
   auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!h.ok()) return Fail("metrics", h.status());

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <tuple>
 
+#include "absl/strings/str_join.h"
+
 namespace k3::router {
 
 Dispatcher::Dispatcher(const ModelConfig& config, dataplane::Transport& transport, DispatcherOptions options)
@@ -26,6 +28,11 @@ absl::Status Dispatcher::SetPlacement(std::shared_ptr<const PlacementTable> plac
   std::vector<std::shared_ptr<Peer>> added;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Versions only go up (a router restart continues above its predecessor): an older one is
+    // stale or forged.
+    if (placement_ && placement->version < placement_->version)
+      return absl::FailedPreconditionError(absl::StrCat("placement v", placement->version, " is older than v",
+                                                        placement_->version, " in use: ignored"));
     std::map<std::string, std::shared_ptr<Peer>> next;
     for (const NodeInfo& n : placement->nodes) {
       auto it = peers_.find(n.node_id);
@@ -50,6 +57,12 @@ absl::Status Dispatcher::SetPlacement(std::shared_ptr<const PlacementTable> plac
     cb.on_message = [this, id](dataplane::Buffer msg) { OnMessage(id, std::move(msg)); };
     cb.on_failure = [this, id](absl::Status why) { OnFailure(id, why); };
     auto conn = transport_.Connect(p->address, std::move(cb));
+    if (conn.ok()) {
+      // The handshake goes first; the transport keeps a connection's messages in order.
+      auto hello = wire::Encode<dataplane::Buffer>(wire::Hello{options_.node_token});
+      if (!hello.ok()) conn = hello.status();
+      else (*conn)->Send(std::move(*hello), [](absl::Status) {});
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (!conn.ok()) {
       p->failed = true;
@@ -71,8 +84,9 @@ absl::Status Dispatcher::SetPlacement(std::shared_ptr<const PlacementTable> plac
 bool Dispatcher::ready() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!placement_ || !placement_->complete()) return false;
+  const absl::Time now = absl::Now();
   for (const auto& [id, p] : peers_)
-    if (p->failed || !p->conn) return false;
+    if (!p->usable(now)) return false;
   return true;
 }
 
@@ -81,7 +95,13 @@ uint64_t Dispatcher::placement_version() const {
   return placement_ ? placement_->version : 0;
 }
 
-absl::StatusOr<uint64_t> Dispatcher::Submit(const ExpertRequest& r) {
+absl::StatusOr<uint64_t> Dispatcher::Submit(const ExpertRequest& r) { return SubmitAttempt(r, 0); }
+
+absl::Duration Dispatcher::Timeout() const {
+  return options_.timeout > absl::ZeroDuration() ? options_.timeout : options_.timeout_margin + 2 * slowest_;
+}
+
+absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int attempt) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!placement_) return absl::UnavailableError("no expert placement yet");
   const PlacementTable& pt = *placement_;
@@ -91,9 +111,10 @@ absl::StatusOr<uint64_t> Dispatcher::Submit(const ExpertRequest& r) {
 
   // Replica choice, row by row: the live replica with the least outstanding work.
   std::vector<std::shared_ptr<Peer>> node_peer(pt.nodes.size());
+  const absl::Time now = absl::Now();
   for (size_t i = 0; i < pt.nodes.size(); ++i) {
     auto it = peers_.find(pt.nodes[i].node_id);
-    if (it != peers_.end() && !it->second->failed && it->second->conn) node_peer[i] = it->second;
+    if (it != peers_.end() && it->second->usable(now)) node_peer[i] = it->second;
   }
   // chosen[n * k + j] = node index of pair j of row n (-1: not routed).
   std::vector<int32_t> chosen(r.rows * r.top_k, -1);
@@ -161,6 +182,8 @@ absl::StatusOr<uint64_t> Dispatcher::Submit(const ExpertRequest& r) {
   pending.rows = r.rows;
   pending.width = r.width;
   pending.start = absl::Now();
+  pending.request = r;
+  pending.attempt = attempt;
   std::vector<std::tuple<std::shared_ptr<Peer>, uint64_t, dataplane::Buffer>> sends;
   for (size_t node = 0; node < out.size(); ++node) {
     if (out[node].rows.empty()) continue;
@@ -189,12 +212,19 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
   auto it = pending_.find(ticket);
   if (it == pending_.end()) return absl::NotFoundError(absl::StrCat("unknown dispatch ticket ", ticket));
   Pending& p = it->second;
-  const absl::Time deadline = p.start + options_.timeout;
+  std::vector<std::string> hung;  // nodes that did not answer in time
   while (p.remaining > 0 && p.status.ok()) {
-    const absl::Duration left = deadline - absl::Now();
+    const absl::Duration timeout = Timeout();
+    const absl::Duration left = p.start + timeout - absl::Now();
     if (left <= absl::ZeroDuration()) {
-      p.status = absl::DeadlineExceededError(absl::StrCat("expert dispatch did not complete within ",
-                                                          absl::FormatDuration(options_.timeout)));
+      const absl::Time until = absl::Now() + 3 * timeout + absl::Seconds(1);
+      for (Part& part : p.parts)
+        if (!part.done) {
+          part.peer->suspect_until = until;
+          hung.push_back(part.peer->node_id);
+        }
+      p.status = absl::UnavailableError(absl::StrCat("expert node ", absl::StrJoin(hung, ", "), " did not answer within ",
+                                                     absl::FormatDuration(timeout)));
       break;
     }
     cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, absl::Milliseconds(100))));
@@ -216,13 +246,22 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
     release.push_back(std::move(part.peer));
   }
   for (const Part& part : p.parts) parts_.erase(part.wire_id);
-  pending_.erase(it);
   // A peer that left the placement closes with its last part.
   std::vector<std::unique_ptr<dataplane::Connection>> closing;
   for (auto& peer : release)
     if (peer.use_count() == 1 && peer->conn) closing.push_back(std::move(peer->conn));
+  const ExpertRequest request = p.request;
+  const int attempt = p.attempt;
+  pending_.erase(it);
   lock.unlock();
   closing.clear();
+  if (options_.on_node_failure)
+    for (const std::string& node : hung) options_.on_node_failure(node, absl::UnavailableError("no reply in time"));
+  // A node failed or hung: once more on the replicas that are left, if every expert has one.
+  if (status.code() == absl::StatusCode::kUnavailable && attempt == 0) {
+    auto retry = SubmitAttempt(request, 1);
+    if (retry.ok()) return Wait(*retry, out);
+  }
   return status;
 }
 
@@ -272,6 +311,7 @@ void Dispatcher::FinishPart(uint64_t wire_id, const absl::Status& status, std::s
     node = part.peer->node_id;
     bytes_out = part.bytes_out;
     took = absl::Now() - p.start;
+    if (status.ok()) slowest_ = std::max(took, slowest_ * 0.99);
     parts_.erase(it);
   }
   cv_.notify_all();

@@ -20,8 +20,13 @@
 namespace k3::router {
 
 struct DispatcherOptions {
-  absl::Duration timeout = absl::Seconds(30);  // per MoE dispatch; then DEADLINE_EXCEEDED
+  // A dispatch part unanswered this long marks its node suspect (reported, avoided for a while)
+  // and is retried on a replica, else fails UNAVAILABLE naming the node. Zero: adaptive, the
+  // margin above twice the slowest recent round trip.
+  absl::Duration timeout = absl::ZeroDuration();
+  absl::Duration timeout_margin = absl::Milliseconds(500);
   wire::RowDType dtype = wire::RowDType::kF32;  // rows and partial sums on the wire
+  std::string node_token;  // sent as each connection's first message (wire::Hello)
   // Called on the transport's thread after every dispatch part completes (metrics); must not block.
   std::function<void(const std::string& node_id, size_t bytes_out, size_t bytes_in, absl::Duration)> on_part;
   // Called on the transport's thread when an expert node fails; must not block.
@@ -49,7 +54,9 @@ class Dispatcher : public ExpertExecutor {
     std::string address;
     std::unique_ptr<dataplane::Connection> conn;
     bool failed = false;
+    absl::Time suspect_until = absl::InfinitePast();  // did not answer in time: avoided until then
     int64_t outstanding_rows = 0;  // balances replica choice
+    bool usable(absl::Time now) const { return !failed && conn && suspect_until <= now; }
   };
   struct Part {
     std::shared_ptr<Peer> peer;
@@ -65,11 +72,15 @@ class Dispatcher : public ExpertExecutor {
     int remaining = 0;
     absl::Status status;
     absl::Time start;
+    ExpertRequest request;  // the caller's, valid until Wait returns: a retry re-sends it
+    int attempt = 0;
   };
 
   void OnMessage(const std::string& node_id, dataplane::Buffer msg);
   void OnFailure(const std::string& node_id, const absl::Status& why);
   void FinishPart(uint64_t wire_id, const absl::Status& status, std::span<const float> sums, size_t bytes_in);
+  absl::StatusOr<uint64_t> SubmitAttempt(const ExpertRequest& request, int attempt);
+  absl::Duration Timeout() const;  // mu_ held
 
   const ModelConfig& config_;
   dataplane::Transport& transport_;
@@ -82,6 +93,7 @@ class Dispatcher : public ExpertExecutor {
   std::map<uint64_t, Pending> pending_;                 // by ticket
   std::map<uint64_t, std::pair<uint64_t, size_t>> parts_;  // wire request id -> (ticket, part)
   uint64_t next_ticket_ = 1;
+  absl::Duration slowest_ = absl::ZeroDuration();  // recent slowest part round trip (decays)
   std::atomic<uint64_t> next_wire_id_{1};  // taken outside mu_, while messages are encoded
 };
 

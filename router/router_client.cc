@@ -5,10 +5,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/auth.h"
+#include "common/tls.h"
+
 namespace k3::router {
 
 RouterClient::RouterClient(const std::string& router_address, v1::RegisterNodeRequest self, OnPlacement on_placement)
-    : channel_(grpc::CreateChannel(router_address, grpc::InsecureChannelCredentials())),
+    : channel_(tls::NewChannel(router_address)),
       stub_(v1::Router::NewStub(channel_)),
       self_(std::move(self)),
       on_placement_(std::move(on_placement)) {
@@ -31,9 +34,12 @@ void RouterClient::Loop() {
   while (!stop_) {
     grpc::ClientContext reg_ctx;
     reg_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    auth::AddNodeCredentials(&reg_ctx);
     v1::RegisterNodeResponse reg;
     const grpc::Status s = stub_->RegisterNode(&reg_ctx, self_, &reg);
     if (!s.ok()) {
+      if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED || s.error_code() == grpc::StatusCode::ALREADY_EXISTS)
+        std::fprintf(stderr, "%s: the router refused the registration: %s\n", self_.node_id().c_str(), s.error_message().c_str());
       connected_ = false;
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
@@ -41,6 +47,7 @@ void RouterClient::Loop() {
     }
     backoff = std::chrono::milliseconds(100);
     grpc::ClientContext ctx;
+    auth::AddNodeCredentials(&ctx);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) break;
@@ -68,6 +75,7 @@ void RouterClient::Loop() {
 void RouterClient::ReportNodeFailure(const std::string& node_id, const std::string& detail) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  auth::AddNodeCredentials(&ctx);
   v1::ReportNodeFailureRequest req;
   req.set_reporter_id(self_.node_id());
   req.set_node_id(node_id);
@@ -79,6 +87,7 @@ void RouterClient::ReportNodeFailure(const std::string& node_id, const std::stri
 void RouterClient::ReportLoad(const v1::LoadReport& report) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  auth::AddNodeCredentials(&ctx);
   v1::ReportLoadResponse resp;
   stub_->ReportLoad(&ctx, report, &resp);
 }

@@ -4,17 +4,22 @@
 #include <numeric>
 
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/grpc_server.h"
+#include "common/tls.h"
 
 namespace k3::router {
 namespace {
 
 constexpr auto kLoadSlotsDeadline = std::chrono::seconds(60);
-constexpr auto kProbeDeadline = std::chrono::seconds(2);
+// A node reported unreachable must answer its health probe within this (a hung node does not).
+constexpr auto kProbeDeadline = std::chrono::milliseconds(500);
 
 }  // namespace
 
-RouterService::RouterService(ModelConfig config, metrics::Registry& reg) : config_(std::move(config)) {
+RouterService::RouterService(ModelConfig config, metrics::Registry& reg, uint64_t first_version)
+    : config_(std::move(config)),
+      next_version_(first_version > 0 ? first_version : static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()))) {
   load_.assign(config_.num_layers, std::vector<int64_t>(config_.num_experts, 0));
   m_version_ = &metrics::Must(reg.AddGauge("k3serve_placement_version", "Version of the published expert placement."))->WithLabels();
   m_expert_nodes_ = &metrics::Must(reg.AddGauge("k3serve_router_expert_nodes", "Live registered expert nodes."))->WithLabels();
@@ -41,16 +46,28 @@ void RouterService::Stop() {
   cv_.notify_all();
 }
 
-grpc::Status RouterService::RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
+grpc::Status RouterService::BindIdentity(const std::string& node_id, const std::string& identity) {
+  auto it = identities_.find(node_id);
+  const bool live = experts_.count(node_id) > 0 || attention_.count(node_id) > 0;
+  if (it != identities_.end() && live && it->second != identity)
+    return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("node_id \"", node_id, "\" is registered by another process")};
+  identities_[node_id] = identity;
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                                          v1::RegisterNodeResponse* resp) {
+  if (auto s = auth::RequireNode(*ctx, "RegisterNode"); !s.ok()) return s;
   if (req->node_id().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "node_id must not be empty"};
   std::lock_guard<std::mutex> lock(mu_);
+  if (req->role() == v1::NODE_ROLE_EXPERT || req->role() == v1::NODE_ROLE_ATTENTION)
+    if (auto s = BindIdentity(req->node_id(), auth::IdentityOf(*ctx)); !s.ok()) return s;
   if (req->role() == v1::NODE_ROLE_EXPERT) {
     if (req->ucx_address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "ucx_address must not be empty for an expert node"};
     if (req->grpc_address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "grpc_address must not be empty for an expert node"};
     ExpertNodeState& n = experts_[req->node_id()];
     n.info = {req->node_id(), req->ucx_address(), req->grpc_address()};
-    n.admin = v1::ExpertAdmin::NewStub(grpc::CreateChannel(req->grpc_address(), grpc::InsecureChannelCredentials()));
+    n.admin = v1::ExpertAdmin::NewStub(tls::NewChannel(req->grpc_address()));
     dirty_ = true;
     m_expert_nodes_->Set(static_cast<double>(experts_.size()));
     cv_.notify_all();
@@ -65,12 +82,22 @@ grpc::Status RouterService::RegisterNode(grpc::ServerContext*, const v1::Registe
 
 grpc::Status RouterService::WatchPlacement(grpc::ServerContext* ctx, const v1::WatchPlacementRequest* req,
                                            grpc::ServerWriter<v1::Placement>* writer) {
+  if (auto s = auth::RequireNode(*ctx, "WatchPlacement"); !s.ok()) return s;
   const std::string id = req->node_id();
   uint64_t sent = 0;
   std::unique_lock<std::mutex> lock(mu_);
+  // Only the process that registered a node may hold (and so end) its watch.
+  auto owner = identities_.find(id);
+  if (owner == identities_.end())
+    return {grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat("node_id \"", id, "\" is not registered")};
+  if (owner->second != auth::IdentityOf(*ctx))
+    return {grpc::StatusCode::PERMISSION_DENIED, absl::StrCat("node_id \"", id, "\" belongs to another process")};
   const bool is_attention = attention_.count(id) > 0;
+  const bool is_expert = experts_.count(id) > 0;
   m_attention_nodes_->Set(static_cast<double>(attention_.size()));
   while (!stopping_ && !ctx->IsCancelled()) {
+    // Dropped meanwhile (e.g. it did not answer a probe): the node registers again when it can.
+    if (is_expert && !experts_.count(id)) return {grpc::StatusCode::UNAVAILABLE, "dropped from the placement; register again"};
     if (placement_ && placement_->version != sent) {
       v1::Placement p;
       placement_->ToProto(&p);
@@ -89,14 +116,16 @@ grpc::Status RouterService::WatchPlacement(grpc::ServerContext* ctx, const v1::W
       DropNode(id, "watch stream closed");
     } else if (is_attention) {
       attention_.erase(id);
+      identities_.erase(id);
       m_attention_nodes_->Set(static_cast<double>(attention_.size()));
     }
   }
   return grpc::Status::OK;
 }
 
-grpc::Status RouterService::ReportNodeFailure(grpc::ServerContext*, const v1::ReportNodeFailureRequest* req,
+grpc::Status RouterService::ReportNodeFailure(grpc::ServerContext* ctx, const v1::ReportNodeFailureRequest* req,
                                               v1::ReportNodeFailureResponse* resp) {
+  if (auto s = auth::RequireNode(*ctx, "ReportNodeFailure"); !s.ok()) return s;
   v1::ExpertAdmin::Stub* admin = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -108,10 +137,11 @@ grpc::Status RouterService::ReportNodeFailure(grpc::ServerContext*, const v1::Re
     admin = it->second.admin.get();
   }
   // Believe the report only if the node does not answer us either.
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kProbeDeadline);
+  grpc::ClientContext probe;
+  probe.set_deadline(std::chrono::system_clock::now() + kProbeDeadline);
+  auth::AddAdminCredentials(&probe);
   v1::ExpertStatus status;
-  const grpc::Status s = admin->Status(&ctx, v1::StatusRequest(), &status);
+  const grpc::Status s = admin->Status(&probe, v1::StatusRequest(), &status);
   if (s.ok()) {
     resp->set_dropped(false);
     return grpc::Status::OK;
@@ -121,7 +151,8 @@ grpc::Status RouterService::ReportNodeFailure(grpc::ServerContext*, const v1::Re
   return grpc::Status::OK;
 }
 
-grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadReport* req, v1::ReportLoadResponse*) {
+grpc::Status RouterService::ReportLoad(grpc::ServerContext* ctx, const v1::LoadReport* req, v1::ReportLoadResponse*) {
+  if (auto s = auth::RequireNode(*ctx, "ReportLoad"); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& l : req->layers()) {
     if (l.layer() < 0 || l.layer() >= config_.num_layers || config_.mlp[l.layer()] != Mlp::kMoe)
@@ -152,7 +183,8 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
   return grpc::Status::OK;
 }
 
-grpc::Status RouterService::GetPlacement(grpc::ServerContext*, const v1::GetPlacementRequest*, v1::Placement* resp) {
+grpc::Status RouterService::GetPlacement(grpc::ServerContext* ctx, const v1::GetPlacementRequest*, v1::Placement* resp) {
+  if (auto s = auth::RequireNode(*ctx, "GetPlacement"); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
   if (placement_) placement_->ToProto(resp);
   return grpc::Status::OK;
@@ -166,6 +198,7 @@ std::vector<std::vector<int64_t>> RouterService::ExpertLoad() const {
 void RouterService::DropNode(const std::string& node_id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (experts_.erase(node_id) == 0) return;
+  identities_.erase(node_id);
   std::fprintf(stderr, "router: dropping expert node %s: %s\n", node_id.c_str(), why.c_str());
   m_failures_->WithLabels({why}).Inc();
   m_expert_nodes_->Set(static_cast<double>(experts_.size()));
@@ -205,6 +238,7 @@ void RouterService::PlacerLoop() {
       }
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + kLoadSlotsDeadline);
+      auth::AddAdminCredentials(&ctx);
       v1::LoadSlotsResponse resp;
       const grpc::Status s = admins[i]->LoadSlots(&ctx, req, &resp);
       if (!s.ok()) failed.push_back(nodes[i].node_id + ": " + s.error_message());

@@ -24,7 +24,9 @@ namespace k3::router {
 
 class RouterService final : public v1::Router::Service {
  public:
-  RouterService(ModelConfig config, metrics::Registry& registry);
+  // Placement versions start at first_version; 0: the wall clock in microseconds, so that a
+  // restarted router continues above every version its predecessor published.
+  RouterService(ModelConfig config, metrics::Registry& registry, uint64_t first_version = 0);
   ~RouterService() override;
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
@@ -49,12 +51,15 @@ class RouterService final : public v1::Router::Service {
   // Recomputes the placement over the live expert nodes, has each node load its slots, publishes.
   void PlacerLoop();
   void DropNode(const std::string& node_id, const std::string& why);
+  // Binds node_id to the identity of its first live registration (mu_ held).
+  grpc::Status BindIdentity(const std::string& node_id, const std::string& identity);
 
   const ModelConfig config_;
   mutable std::mutex mu_;
   std::condition_variable cv_;  // placement published, node set changed, or stopping
   std::map<std::string, ExpertNodeState> experts_;  // live expert nodes by id
   std::set<std::string> attention_;
+  std::map<std::string, std::string> identities_;  // live node id -> auth::IdentityOf its registration
   bool dirty_ = false;  // the node set changed since the last placement
   bool stopping_ = false;
   uint64_t next_version_ = 1;

@@ -81,6 +81,10 @@ class Server {
   virtual ~Server() = default;
   // Sends on a connection that this server accepted (the reply path). NOT_FOUND if it is closed.
   virtual void Send(ConnectionId to, Buffer msg, SendDone done) = 0;
+  // Closes one accepted connection (a client that failed the handshake); no callback of it runs
+  // afterwards. Safe from a callback. A transport that cannot close one connection leaves it
+  // open: the caller ignores its messages either way.
+  virtual void Close(ConnectionId /*conn*/) {}
   // The bound address as "host:port" (the real port when 0 was asked): what clients Connect to.
   virtual const std::string& address() const = 0;
 };

@@ -1,6 +1,7 @@
 #include "router/ucx_transport.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <sched.h>
@@ -121,6 +122,29 @@ std::string FormatAddress(const sockaddr_storage& a) {
   return absl::StrCat(host, ":", ntohs(in4.sin_port));
 }
 
+// The network interface that owns `host` (an IP address), "" for any address or one not found.
+std::string InterfaceOf(const std::string& host) {
+  if (host.empty() || host == "0.0.0.0" || host == "::") return {};
+  auto want = ResolveAddress(host + ":0", /*passive=*/false);
+  if (!want.ok()) return {};
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string name;
+  for (ifaddrs* a = list; a != nullptr && name.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != want->ss_family) continue;
+    if (want->ss_family == AF_INET) {
+      if (reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr ==
+          reinterpret_cast<const sockaddr_in&>(*want).sin_addr.s_addr)
+        name = a->ifa_name;
+    } else if (std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ifa_addr)->sin6_addr,
+                           &reinterpret_cast<const sockaddr_in6&>(*want).sin6_addr, sizeof(in6_addr)) == 0) {
+      name = a->ifa_name;
+    }
+  }
+  ::freeifaddrs(list);
+  return name;
+}
+
 [[noreturn]] void Die(const char* what) {
   std::fprintf(stderr, "k3serve ucx transport: %s\n", what);
   std::abort();
@@ -181,6 +205,7 @@ class UcxTransport final : public Transport {
   void SendOnEndpoint(uint64_t serial, const ListenerState* server, Buffer msg, SendDone done);
   void CloseClient(uint64_t serial);
   void CloseServer(uint64_t listener);
+  void CloseAccepted(uint64_t serial, const ListenerState* server);
 
  private:
   explicit UcxTransport(const UcxOptions& options) : options_(options) {}
@@ -265,6 +290,7 @@ class UcxServer final : public Server {
   void Send(ConnectionId to, Buffer msg, SendDone done) override {
     transport_->SendOnEndpoint(to, state_, std::move(msg), std::move(done));
   }
+  void Close(ConnectionId conn) override { transport_->CloseAccepted(conn, state_); }
   const std::string& address() const override { return address_; }
 
  private:
@@ -283,7 +309,15 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOpti
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   ucp_context_h context = nullptr;
-  ucs_status_t s = ucp_init(&params, nullptr, &context);  // configuration from UCX_* variables
+  // Configuration from UCX_* variables; a bound host also limits UCX's own sockets (its TCP lanes
+  // listen on every device they use) to the interface that owns it, unless UCX_NET_DEVICES says.
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return FromUcs(s, "ucp_config_read");
+  if (const std::string dev = InterfaceOf(options.host); !dev.empty() && std::getenv("UCX_NET_DEVICES") == nullptr)
+    s = ucp_config_modify(config, "NET_DEVICES", dev.c_str());
+  if (s == UCS_OK) s = ucp_init(&params, config, &context);
+  ucp_config_release(config);
   if (s != UCS_OK) return FromUcs(s, "ucp_init");
   t->context_.reset(context);
 
@@ -722,6 +756,16 @@ void UcxTransport::CloseClient(uint64_t serial) {
   RunSync([&] {
     auto it = endpoints_.find(serial);
     if (it == endpoints_.end()) return;
+    it->second->closing = true;
+    CloseEndpoint(it->second.get());
+    EraseEndpoint(it->second.get());
+  });
+}
+
+void UcxTransport::CloseAccepted(uint64_t serial, const ListenerState* server) {
+  Post([this, serial, server] {
+    auto it = endpoints_.find(serial);
+    if (it == endpoints_.end() || it->second->server != server) return;
     it->second->closing = true;
     CloseEndpoint(it->second.get());
     EraseEndpoint(it->second.get());

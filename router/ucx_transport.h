@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 
 #include "router/transport.h"
 
@@ -30,6 +31,9 @@ struct UcxOptions {
   // any other runnable thread) before it arms the worker and sleeps: a message arriving meanwhile
   // costs no wake-up, and an idle transport costs no CPU.
   std::chrono::microseconds spin{200};
+  // The address this process listens on (--host): UCX's devices are limited to the interface that
+  // owns it, so that none of its sockets listens elsewhere. Empty or 0.0.0.0: every interface.
+  std::string host;
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {});

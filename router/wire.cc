@@ -17,6 +17,7 @@ static_assert(std::endian::native == std::endian::little,
 constexpr size_t kRequestFixed = 36;  // request_id .. n_pairs
 constexpr size_t kReplyFixed = 20;    // request_id .. n_rows
 constexpr size_t kErrorFixed = 16;    // request_id .. message_length
+constexpr size_t kHelloFixed = 4;     // token_length
 constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
 
 template <class... Args>
@@ -135,6 +136,7 @@ const char* MessageTypeName(MessageType type) {
     case MessageType::kExpertRequest: return "ExpertRequest";
     case MessageType::kExpertReply: return "ExpertReply";
     case MessageType::kErrorReply: return "ErrorReply";
+    case MessageType::kHello: return "Hello";
   }
   return "?";
 }
@@ -178,6 +180,12 @@ absl::StatusOr<size_t> EncodedSize(const ErrorReply& m) {
   if (m.status.message().size() > std::numeric_limits<uint32_t>::max())
     return Malformed(kT, "message of %d bytes is too long", m.status.message().size());
   return kHeaderSize + kErrorFixed + m.status.message().size();
+}
+
+absl::StatusOr<size_t> EncodedSize(const Hello& m) {
+  if (m.token.size() > kMaxTokenBytes)
+    return Malformed(MessageType::kHello, "token of %d bytes is longer than %d", m.token.size(), kMaxTokenBytes);
+  return kHeaderSize + kHelloFixed + m.token.size();
 }
 
 namespace {
@@ -239,6 +247,15 @@ absl::Status EncodeTo(const ErrorReply& m, std::span<std::byte> out) {
   return absl::OkStatus();
 }
 
+absl::Status EncodeTo(const Hello& m, std::span<std::byte> out) {
+  K3_RETURN_IF_ERROR(CheckOutSize(m, out));
+  Writer w(out);
+  w.PutHeader(MessageType::kHello);
+  w.Put(static_cast<uint32_t>(m.token.size()));
+  w.PutArray(std::span<const char>(m.token.data(), m.token.size()));
+  return absl::OkStatus();
+}
+
 // ---- decoding ----
 
 absl::StatusOr<MessageType> PeekType(std::span<const std::byte> msg) {
@@ -256,7 +273,7 @@ absl::StatusOr<MessageType> PeekType(std::span<const std::byte> msg) {
     return absl::InvalidArgumentError(
         absl::StrFormat("unsupported version %d (this build speaks %d)", version, kVersion));
   if (type < static_cast<uint16_t>(MessageType::kExpertRequest) ||
-      type > static_cast<uint16_t>(MessageType::kErrorReply))
+      type > static_cast<uint16_t>(MessageType::kHello))
     return absl::InvalidArgumentError(absl::StrFormat("unknown message type %d", type));
   if (length != msg.size())
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -353,14 +370,41 @@ absl::StatusOr<ErrorReply> DecodeErrorReply(std::span<const std::byte> msg) {
   return m;
 }
 
+absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> msg) {
+  constexpr MessageType kT = MessageType::kHello;
+  K3_ASSIGN_OR_RETURN(Reader r, OpenFixed(msg, kT, kHelloFixed));
+  const auto length = r.Get<uint32_t>();
+  if (length > kMaxTokenBytes) return Malformed(kT, "token_length %d is longer than %d", length, kMaxTokenBytes);
+  if (kHeaderSize + kHelloFixed + static_cast<size_t>(length) != msg.size())
+    return Malformed(kT, "payload size mismatch: token_length %d needs %d bytes, message has %d", length,
+                     kHeaderSize + kHelloFixed + static_cast<size_t>(length), msg.size());
+  const auto text = r.GetBytes(length);
+  return Hello{std::string(reinterpret_cast<const char*>(text.data()), text.size())};
+}
+
 absl::StatusOr<Message> Decode(std::span<const std::byte> msg, const DecodeLimits& limits) {
   K3_ASSIGN_OR_RETURN(MessageType type, PeekType(msg));
   switch (type) {
     case MessageType::kExpertRequest: return DecodeExpertRequest(msg, limits);
     case MessageType::kExpertReply: return DecodeExpertReply(msg);
     case MessageType::kErrorReply: return DecodeErrorReply(msg);
+    case MessageType::kHello: return DecodeHello(msg);
   }
   return absl::InternalError("unreachable message type");
+}
+
+absl::Status CheckHello(std::span<const std::byte> msg, std::string_view token) {
+  auto type = PeekType(msg);
+  if (!type.ok() || *type != MessageType::kHello)
+    return absl::UnauthenticatedError("the connection's first message is not a Hello");
+  auto h = DecodeHello(msg);
+  if (!h.ok()) return absl::UnauthenticatedError(absl::StrCat("malformed Hello: ", h.status().message()));
+  // Constant time in the token's bytes: no early exit on the first difference.
+  unsigned char diff = h->token.size() == token.size() ? 0 : 1;
+  for (size_t i = 0; i < h->token.size() && i < token.size(); ++i)
+    diff |= static_cast<unsigned char>(h->token[i] ^ token[i]);
+  if (diff != 0) return absl::UnauthenticatedError("Hello carries the wrong node token");
+  return absl::OkStatus();
 }
 
 // ---- values ----

@@ -9,6 +9,8 @@
 //   ExpertReply    request_id u64 | dtype u8 | 3 zero bytes | width u32 | n_rows u32 |
 //                  sums [n_rows, width] of dtype (in request row order)
 //   ErrorReply     request_id u64 | code u32 (absl::StatusCode) | message_length u32 | message bytes
+//   Hello          token_length u32 | token bytes: a client's first message on a connection (the
+//                  cluster's node token; an expert node closes a connection that starts otherwise)
 // Every field is 4-byte aligned relative to the start of the message.
 //
 // Decoding never trusts a count before checking it against the buffer size, so a malformed or
@@ -20,6 +22,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -31,7 +34,7 @@ inline constexpr uint32_t kMagic = 0x5044334B;  // "K3DP" in memory order
 inline constexpr uint16_t kVersion = 1;
 inline constexpr size_t kHeaderSize = 16;
 
-enum class MessageType : uint16_t { kExpertRequest = 1, kExpertReply = 2, kErrorReply = 3 };
+enum class MessageType : uint16_t { kExpertRequest = 1, kExpertReply = 2, kErrorReply = 3, kHello = 4 };
 const char* MessageTypeName(MessageType type);
 
 // Element type of rows and sums. Values are the wire codes.
@@ -77,16 +80,24 @@ struct ErrorReply {
   absl::Status status;
 };
 
-using Message = std::variant<ExpertRequest, ExpertReply, ErrorReply>;
+// The connection handshake. The token is at most kMaxTokenBytes.
+struct Hello {
+  std::string token;
+};
+inline constexpr size_t kMaxTokenBytes = 1024;
+
+using Message = std::variant<ExpertRequest, ExpertReply, ErrorReply, Hello>;
 
 // Checks the fields and returns the exact encoded size.
 absl::StatusOr<size_t> EncodedSize(const ExpertRequest& m);
 absl::StatusOr<size_t> EncodedSize(const ExpertReply& m);
 absl::StatusOr<size_t> EncodedSize(const ErrorReply& m);
+absl::StatusOr<size_t> EncodedSize(const Hello& m);
 // Writes the message into `out`, which must be exactly EncodedSize(m) bytes.
 absl::Status EncodeTo(const ExpertRequest& m, std::span<std::byte> out);
 absl::Status EncodeTo(const ExpertReply& m, std::span<std::byte> out);
 absl::Status EncodeTo(const ErrorReply& m, std::span<std::byte> out);
+absl::Status EncodeTo(const Hello& m, std::span<std::byte> out);
 
 // Encodes into a new buffer of type B: anything constructible from a size with data() (a
 // std::vector<std::byte>, or the transport's uninitialised dataplane::Buffer).
@@ -110,6 +121,10 @@ absl::StatusOr<ExpertRequest> DecodeExpertRequest(std::span<const std::byte> msg
                                                   const DecodeLimits& limits);
 absl::StatusOr<ExpertReply> DecodeExpertReply(std::span<const std::byte> msg);
 absl::StatusOr<ErrorReply> DecodeErrorReply(std::span<const std::byte> msg);
+absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> msg);
+// The handshake check of a connection's first message: OK only for a Hello carrying `token`;
+// UNAUTHENTICATED otherwise (never echoing the token).
+absl::Status CheckHello(std::span<const std::byte> msg, std::string_view token);
 // Any message type.
 absl::StatusOr<Message> Decode(std::span<const std::byte> msg, const DecodeLimits& limits);
 

@@ -1,7 +1,8 @@
-// libFuzzer target for the data-plane decoder (scripts/fuzz.sh builds and runs it). Any input must
-// be rejected or accepted without a crash, an out-of-bounds read (ASan), undefined behaviour
-// (UBSan) or an allocation the input size does not justify (-malloc_limit_mb); whatever is
-// accepted must encode back to exactly the same bytes.
+// libFuzzer target for the data-plane decoder and the connection handshake (scripts/fuzz.sh builds
+// and runs it). Any input must be rejected or accepted without a crash, an out-of-bounds read
+// (ASan), undefined behaviour (UBSan) or an allocation the input size does not justify
+// (-malloc_limit_mb); whatever is accepted must encode back to exactly the same bytes, and the
+// handshake accepts exactly the one Hello that carries the token.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +24,9 @@ void Touch(k3::wire::RowDType dtype, std::span<const std::byte> values) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const std::byte> msg(reinterpret_cast<const std::byte*>(data), size);
+  static const auto kHello = *k3::wire::Encode(k3::wire::Hello{"fuzz-node-token"});
+  const bool is_hello = size == kHello.size() && std::memcmp(data, kHello.data(), size) == 0;
+  if (k3::wire::CheckHello(msg, "fuzz-node-token").ok() != is_hello) std::abort();
   auto decoded = k3::wire::Decode(msg, {.num_experts = 896});
   if (!decoded.ok()) return 0;
   auto encoded = std::visit(

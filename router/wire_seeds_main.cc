@@ -55,6 +55,8 @@ int main(int argc, char** argv) {
   add(ExpertReply{.request_id = 7, .dtype = RowDType::kF32, .width = 8, .n_rows = 4, .sums = f32});
   add(ExpertReply{.request_id = 8, .dtype = RowDType::kBF16, .width = 16, .n_rows = 0, .sums = {}});
   add(ErrorReply{.request_id = 9, .status = absl::UnavailableError("expert node draining")});
+  add(Hello{"fuzz-node-token"});  // the token the fuzz target's handshake expects
+  add(Hello{""});
   for (size_t i = 0; i < seeds.size(); ++i) {
     const std::string path = std::string(argv[1]) + "/seed-" + std::to_string(i);
     std::ofstream out(path, std::ios::binary);

@@ -240,8 +240,8 @@ TEST(WireMalformed, Header) {
   Put<uint16_t>(m, kTypeAt, 0);
   ExpectRejected(m, "unknown message type 0");
   m = good;
-  Put<uint16_t>(m, kTypeAt, 4);
-  ExpectRejected(m, "unknown message type 4");
+  Put<uint16_t>(m, kTypeAt, 5);
+  ExpectRejected(m, "unknown message type 5");
   m = good;
   Put<uint16_t>(m, kTypeAt, static_cast<uint16_t>(MessageType::kExpertReply));
   ExpectRejected(m, "ExpertRequest: got a message of type ExpertReply");
@@ -434,6 +434,35 @@ TEST(Wire, FloatConversionsCheckSizes) {
   ASSERT_TRUE(FromFloat(one, RowDType::kBF16, h).ok());
   ASSERT_TRUE(ToFloat(RowDType::kBF16, h, one).ok());
   EXPECT_EQ(one[0], 1.0f);
+}
+
+TEST(Wire, HelloRoundTripsAndGatesTheConnection) {
+  auto m = Encode(Hello{"s3cret-token"});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->size(), kHeaderSize + 4 + 12);
+  EXPECT_EQ(*PeekType(*m), MessageType::kHello);
+  auto h = DecodeHello(*m);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->token, "s3cret-token");
+  EXPECT_TRUE(CheckHello(*m, "s3cret-token").ok());
+  for (const char* other : {"s3cret-tokeN", "s3cret-toke", "s3cret-token!", ""}) {
+    const absl::Status s = CheckHello(*m, other);
+    EXPECT_TRUE(absl::IsUnauthenticated(s)) << other << ": " << s;
+    EXPECT_EQ(s.message().find("s3cret"), absl::string_view::npos) << s;
+  }
+  // Not a Hello, truncated, or lying about its length: refused.
+  auto err = Encode(ErrorReply{1, absl::InternalError("x")});
+  EXPECT_TRUE(absl::IsUnauthenticated(CheckHello(*err, "s3cret-token")));
+  Bytes cut(m->begin(), m->end() - 1);
+  Put<uint64_t>(cut, kLengthAt, cut.size());
+  EXPECT_TRUE(absl::IsUnauthenticated(CheckHello(cut, "s3cret-token")));
+  Bytes longer = *m;
+  Put<uint32_t>(longer, kHeaderSize, 13);
+  EXPECT_FALSE(DecodeHello(longer).ok());
+  Bytes huge = *m;
+  Put<uint32_t>(huge, kHeaderSize, 0xFFFFFFFFu);
+  EXPECT_FALSE(DecodeHello(huge).ok());
+  EXPECT_FALSE(Encode(Hello{std::string(kMaxTokenBytes + 1, 'x')}).ok());
 }
 
 }  // namespace

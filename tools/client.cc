@@ -9,6 +9,9 @@ namespace k3 {
 InferenceClient::InferenceClient(const std::string& address)
     : stub_(k3serve::v1::Inference::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
 
+InferenceClient::InferenceClient(std::shared_ptr<grpc::Channel> channel, std::string api_key)
+    : stub_(k3serve::v1::Inference::NewStub(channel)), api_key_(std::move(api_key)) {}
+
 k3serve::v1::GenerateRequest MakeGenerateRequest(const std::vector<int32_t>& prompt, const SamplingParams& p,
                                                  const std::string& model, const std::string& request_id) {
   k3serve::v1::GenerateRequest req;
@@ -32,6 +35,7 @@ absl::StatusOr<GenerateResult> InferenceClient::Generate(const std::vector<int32
                                                          const std::string& model, const std::string& request_id) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  if (!api_key_.empty()) ctx.AddMetadata("authorization", "Bearer " + api_key_);
   auto reader = stub_->Generate(&ctx, MakeGenerateRequest(prompt, p, model, request_id));
   GenerateResult r;
   k3serve::v1::GenerateResponse resp;

@@ -22,6 +22,8 @@ struct GenerateResult {
 class InferenceClient {
  public:
   explicit InferenceClient(const std::string& address);
+  // Over any channel (TLS: common/tls.h); a non-empty api_key goes out as authorization: Bearer.
+  InferenceClient(std::shared_ptr<grpc::Channel> channel, std::string api_key);
   // Streams a generation; on_tokens sees each chunk as it arrives. The error names the gRPC code.
   absl::StatusOr<GenerateResult> Generate(const std::vector<int32_t>& prompt, const SamplingParams& p,
                                           absl::Duration timeout,
@@ -31,6 +33,7 @@ class InferenceClient {
 
  private:
   std::unique_ptr<k3serve::v1::Inference::Stub> stub_;
+  std::string api_key_;
 };
 
 // The request message for these arguments (also for tests that need to send odd ones).

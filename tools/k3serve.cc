@@ -35,6 +35,7 @@ ABSL_FLAG(double, timeout, 60.0, "request deadline in seconds (generate)");
 ABSL_FLAG(int, attention, 1, "attention nodes (up, bench)");
 ABSL_FLAG(int, experts, 2, "expert nodes (up, bench)");
 ABSL_FLAG(int, port, 50051, "first attention node's gRPC port (up; 0: pick)");
+ABSL_FLAG(bool, tls, false, "up: a throwaway CA and certificates; mTLS between the nodes, TLS on the public API");
 ABSL_FLAG(int, streams, 16, "concurrent streams (bench)");
 ABSL_FLAG(int, prompt_len, 64, "prompt tokens per stream (bench)");
 
@@ -83,6 +84,7 @@ int Up() {
   o.attention = absl::GetFlag(FLAGS_attention);
   o.experts = absl::GetFlag(FLAGS_experts);
   o.attention_port = absl::GetFlag(FLAGS_port);
+  o.tls = absl::GetFlag(FLAGS_tls);
   if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
   std::fprintf(stderr, "starting router, %d expert node(s), %d attention node(s)...\n", o.experts, o.attention);
   auto cluster = LocalCluster::Start(o);
@@ -91,6 +93,7 @@ int Up() {
   for (size_t i = 0; i < (*cluster)->attention_addresses().size(); ++i)
     std::printf("serving  %s (metrics :%d)\n", (*cluster)->attention_addresses()[i].c_str(),
                 (*cluster)->attention_metrics_ports()[i]);
+  if (o.tls) std::printf("TLS CA   %s\n", (*cluster)->ca_file().c_str());
   std::printf("logs     %s\nCtrl-C stops the cluster.\n", (*cluster)->work_dir().c_str());
   std::fflush(stdout);
   while (!WaitForShutdown(absl::Seconds(1))) {

@@ -13,8 +13,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace k3 {
@@ -71,8 +73,10 @@ std::optional<int> Process::Wait(absl::Duration timeout) {
 
 bool Process::alive() { return !Wait(absl::ZeroDuration()).has_value(); }
 
-absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout) {
-  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout, const std::string& ca) {
+  auto creds = tls::ChannelCredentials({.cert = "", .key = "", .ca = ca});
+  if (!creds.ok()) return creds.status();
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(address, *creds));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::health::v1::HealthCheckResponse resp;
@@ -111,6 +115,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
   }
   fs::create_directories(options.work_dir);
   std::unique_ptr<LocalCluster> c(new LocalCluster(std::move(options)));
+  K3_RETURN_IF_ERROR(c->MakeCredentials());
   K3_RETURN_IF_ERROR(c->StartRouter(c->options_.router_port));
   for (int i = 0; i < c->options_.experts; ++i) K3_RETURN_IF_ERROR(c->AddExpert());
   for (int i = 0; i < c->options_.attention; ++i) {
@@ -135,14 +140,76 @@ LocalCluster::~LocalCluster() {
   router_.reset();
 }
 
+namespace {
+
+absl::Status WriteSecret(const std::string& path) {
+  std::ifstream rnd("/dev/urandom", std::ios::binary);
+  unsigned char b[32];
+  if (!rnd.read(reinterpret_cast<char*>(b), sizeof(b))) return absl::InternalError("cannot read /dev/urandom");
+  std::string hex;
+  for (unsigned char c : b) hex += absl::StrFormat("%02x", c);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0 || ::write(fd, hex.data(), hex.size()) != static_cast<ssize_t>(hex.size()))
+    return absl::InternalError(absl::StrCat(path, ": ", std::strerror(errno)));
+  ::close(fd);
+  return absl::OkStatus();
+}
+
+absl::Status Shell(const std::string& cmd, const std::string& log) {
+  const int rc = std::system((cmd + " >>" + log + " 2>&1").c_str());
+  if (rc != 0) return absl::InternalError(absl::StrCat("`", cmd, "` failed (see ", log, ")"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status MakeTestCertificates(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& names) {
+  fs::create_directories(dir);
+  const std::string log = dir + "/openssl.log";
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  K3_RETURN_IF_ERROR(Shell(absl::StrCat("openssl req -x509 ", ec, " -keyout ", dir, "/ca.key -out ", dir,
+                                        "/ca.pem -days 2 -subj /CN=k3serve-local-ca"), log));
+  {
+    std::ofstream ext(dir + "/san.ext");
+    ext << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+  }
+  for (const auto& [name, cn] : names) {
+    const std::string base = dir + "/" + name;
+    K3_RETURN_IF_ERROR(Shell(absl::StrCat("openssl req ", ec, " -keyout ", base, ".key -out ", base, ".csr -subj /CN=", cn), log));
+    K3_RETURN_IF_ERROR(Shell(absl::StrCat("openssl x509 -req -in ", base, ".csr -CA ", dir, "/ca.pem -CAkey ", dir,
+                                          "/ca.key -CAcreateserial -days 2 -extfile ", dir, "/san.ext -out ", base, ".pem"), log));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::MakeCredentials() {
+  K3_RETURN_IF_ERROR(WriteSecret(node_token_file()));
+  K3_RETURN_IF_ERROR(WriteSecret(admin_token_file()));
+  if (options_.tls)
+    K3_RETURN_IF_ERROR(MakeTestCertificates(options_.work_dir + "/tls", {{"node", "k3serve-node"}, {"admin", "k3serve-admin"}}));
+  return absl::OkStatus();
+}
+
+std::vector<std::string> LocalCluster::CredentialFlags(const std::string& identity) const {
+  // Nodes read the admin token to verify admin calls (Drain, LoadSlots); only the router sends it.
+  std::vector<std::string> f = {"--node-token-file=" + node_token_file(), "--admin-token-file=" + admin_token_file()};
+  if (options_.tls) {
+    f.push_back("--tls-cert=" + cert_file(identity));
+    f.push_back("--tls-key=" + key_file(identity));
+    f.push_back("--tls-ca=" + ca_file());
+  }
+  return f;
+}
+
 absl::Status LocalCluster::StartRouter(int port) {
   const std::string ready = absl::StrCat(options_.work_dir, "/router.ready");
   fs::remove(ready);
-  K3_ASSIGN_OR_RETURN(router_, Process::Spawn("router",
-                                              {options_.bin_dir + "/k3serve-router", "--model=" + options_.model,
-                                               "--host=127.0.0.1", absl::StrCat("--grpc-port=", port),
-                                               "--metrics-port=0", "--ready-file=" + ready},
-                                              absl::StrCat(options_.work_dir, "/router.log")));
+  std::vector<std::string> argv = {options_.bin_dir + "/k3serve-router", "--model=" + options_.model,
+                                   "--host=127.0.0.1", absl::StrCat("--grpc-port=", port),
+                                   "--metrics-port=0", "--ready-file=" + ready};
+  for (const auto& f : CredentialFlags("admin")) argv.push_back(f);
+  argv.insert(argv.end(), options_.router_args.begin(), options_.router_args.end());
+  K3_ASSIGN_OR_RETURN(router_, Process::Spawn("router", argv, absl::StrCat(options_.work_dir, "/router.log")));
   K3_ASSIGN_OR_RETURN(auto fields, WaitReady(ready, *router_, absl::Seconds(30)));
   router_address_ = absl::StrCat("127.0.0.1:", fields[0]);
   router_metrics_ = std::stoi(fields[1]);
@@ -158,6 +225,7 @@ absl::StatusOr<std::unique_ptr<Process>> LocalCluster::StartNode(const std::stri
   std::vector<std::string> argv = {options_.bin_dir + "/k3serve-" + kind, "--model=" + options_.model,
                                    "--router=" + router_address_, "--host=127.0.0.1", "--metrics-port=0",
                                    "--node-id=" + name, "--ready-file=" + ready};
+  for (const auto& f : CredentialFlags("node")) argv.push_back(f);
   argv.insert(argv.end(), extra.begin(), extra.end());
   K3_ASSIGN_OR_RETURN(auto p, Process::Spawn(name, argv, absl::StrCat(options_.work_dir, "/", name, ".log")));
   K3_ASSIGN_OR_RETURN(*ready_fields, WaitReady(ready, *p, absl::Seconds(60)));
@@ -186,7 +254,7 @@ absl::Status LocalCluster::WaitServing(absl::Duration timeout) {
   const absl::Time end = absl::Now() + timeout;
   for (size_t i = 0; i < attention_addresses_.size(); ++i) {
     while (true) {
-      auto serving = IsServing(attention_addresses_[i], absl::Seconds(1));
+      auto serving = IsServing(attention_addresses_[i], absl::Seconds(1), options_.tls ? ca_file() : "");
       if (serving.ok() && *serving) break;
       if (!attention_[i]->alive()) return absl::UnavailableError(absl::StrCat("attention-", i, " exited (see ", attention_[i]->log_path(), ")"));
       if (absl::Now() >= end)

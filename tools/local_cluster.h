@@ -47,6 +47,10 @@ struct ClusterOptions {
   int attention_port = 0;  // first attention node's gRPC port (the next ones +1 each); 0: pick
   std::vector<std::string> attention_args;  // extra flags
   std::vector<std::string> expert_args;
+  std::vector<std::string> router_args;
+  // The cluster always runs with a generated node token and admin token (files in work_dir). With
+  // tls, also a throwaway CA and certificates (openssl): mTLS between the nodes, TLS on the API.
+  bool tls = false;
 };
 
 class LocalCluster {
@@ -67,8 +71,17 @@ class LocalCluster {
   Process& attention(size_t i) { return *attention_.at(i); }
   size_t num_experts() const { return experts_.size(); }
   const std::string& work_dir() const { return options_.work_dir; }
+  // The generated secrets and (with tls) certificates, as files in work_dir.
+  std::string node_token_file() const { return options_.work_dir + "/node.token"; }
+  std::string admin_token_file() const { return options_.work_dir + "/admin.token"; }
+  std::string ca_file() const { return options_.work_dir + "/tls/ca.pem"; }
+  // "<dir>/tls/<name>.pem" and ".key" for name = node (every node) or admin (the router).
+  std::string cert_file(const std::string& name) const { return options_.work_dir + "/tls/" + name + ".pem"; }
+  std::string key_file(const std::string& name) const { return options_.work_dir + "/tls/" + name + ".key"; }
 
   absl::Status AddExpert();
+  // Flags of the next router started (RestartRouter).
+  std::vector<std::string>& router_args() { return options_.router_args; }
   // Kills the router (SIGKILL) and starts a new one on the same port.
   absl::Status RestartRouter();
   // Every attention node reports SERVING (grpc.health.v1) within the timeout.
@@ -77,6 +90,9 @@ class LocalCluster {
  private:
   explicit LocalCluster(ClusterOptions options) : options_(std::move(options)) {}
   absl::Status StartRouter(int port);
+  absl::Status MakeCredentials();
+  // The flags that give a process its credentials: identity "node" or "admin".
+  std::vector<std::string> CredentialFlags(const std::string& identity) const;
   absl::StatusOr<std::unique_ptr<Process>> StartNode(const std::string& kind, int index, const std::vector<std::string>& extra,
                                                      std::vector<std::string>* ready_fields);
 
@@ -92,7 +108,11 @@ class LocalCluster {
   int next_index_ = 0;
 };
 
-// grpc.health.v1 Check of the server's overall health ("").
-absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout);
+// grpc.health.v1 Check of the server's overall health (""); over TLS verified by `ca` when given.
+absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout, const std::string& ca = "");
+
+// A throwaway CA (dir/ca.pem, ca.key) and, for each (name, common name), dir/<name>.pem and .key
+// signed by it for 127.0.0.1 and localhost, by openssl. For local clusters and tests.
+absl::Status MakeTestCertificates(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& names);
 
 }  // namespace k3
