@@ -2,6 +2,7 @@
 // decoder's fuzzer (scripts/fuzz.sh). Generated rather than checked in, so they follow the format.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -55,6 +56,18 @@ int main(int argc, char** argv) {
   add(ExpertReply{.request_id = 7, .dtype = RowDType::kF32, .width = 8, .n_rows = 4, .sums = f32});
   add(ExpertReply{.request_id = 8, .dtype = RowDType::kBF16, .width = 16, .n_rows = 0, .sums = {}});
   add(ErrorReply{.request_id = 9, .status = absl::UnavailableError("expert node draining")});
+  // The shared-memory transport's hello, and a ring stream of three frames (one longer than the
+  // fuzzer's 256-byte ring).
+  seeds.push_back(*EncodeShmHello({.ring_bytes = 1 << 21, .name = "/k3serve-dp-1-2-3"}));
+  std::vector<std::byte> ring;
+  for (size_t len : {5, 0, 300}) {
+    const size_t at = ring.size();
+    ring.resize(at + RingFrameBytes(static_cast<uint32_t>(len)), std::byte{0x11});
+    const uint32_t l = static_cast<uint32_t>(len);
+    std::memcpy(ring.data() + at, &kRingFrameMagic, 4);
+    std::memcpy(ring.data() + at + 4, &l, 4);
+  }
+  seeds.push_back(ring);
   for (size_t i = 0; i < seeds.size(); ++i) {
     const std::string path = std::string(argv[1]) + "/seed-" + std::to_string(i);
     std::ofstream out(path, std::ios::binary);
