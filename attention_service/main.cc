@@ -25,7 +25,9 @@
 #include "router/dispatcher.h"
 #include "router/load_counter.h"
 #include "router/router_client.h"
+#include "router/shm_transport.h"
 #include "router/ucx_transport.h"
+#include "common/safetensors.h"
 
 ABSL_FLAG(std::string, model, "", "model directory");
 ABSL_FLAG(std::string, model_name, "", "served model name (default: the model directory's name)");
@@ -46,9 +48,26 @@ ABSL_FLAG(int, dispatch_timeout_ms, 0,
           "retried on a replica, else fails UNAVAILABLE (0: 500 ms above twice the slowest recent round trip)");
 ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "longest prompt accepted (INVALID_ARGUMENT beyond; 0: only --max-context bounds it)");
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with K3SERVE_CUDA)");
+ABSL_FLAG(std::string, wire_dtype, "auto",
+          "rows and partial sums on the data plane: f32, bf16, or auto (bf16 for a bf16 checkpoint on --device cuda)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once listening");
 
 namespace {
+
+// bf16 where the model computes in bf16 (the GPU model of a bf16 checkpoint): its rows lose nothing
+// on a bf16 wire. The CPU engine computes in fp32 whatever the checkpoint, so it keeps f32 rows
+// (bf16 would round them, and greedy ids then drift from the in-process engine's).
+absl::StatusOr<k3::wire::RowDType> WireDType(const std::string& flag, const std::string& device,
+                                             const std::string& model_dir) {
+  if (flag == "f32") return k3::wire::RowDType::kF32;
+  if (flag == "bf16") return k3::wire::RowDType::kBF16;
+  if (flag != "auto") return absl::InvalidArgumentError("--wire-dtype must be f32, bf16 or auto, got \"" + flag + "\"");
+  if (device != "cuda") return k3::wire::RowDType::kF32;
+  K3_ASSIGN_OR_RETURN(auto ckpt, k3::Checkpoint::Open(model_dir));
+  for (const auto& [name, t] : ckpt.tensors())
+    if (t.dtype == k3::DType::kF32 || t.dtype == k3::DType::kF16) return k3::wire::RowDType::kF32;
+  return k3::wire::RowDType::kBF16;
+}
 
 int Fail(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "k3serve-attention: %s: %s\n", what.c_str(), std::string(s.message()).c_str());
@@ -193,10 +212,16 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "k3serve-attention %s: loaded %s on %s in %.0f ms\n", node_id.c_str(), model_dir.c_str(),
                device.c_str(), absl::ToDoubleMilliseconds(absl::Now() - load_start));
 
-  k3::dataplane::UcxOptions ucx;
-  ucx.host = absl::GetFlag(FLAGS_host);
-  auto transport = k3::dataplane::NewUcxTransport(ucx);
-  if (!transport.ok()) return Fail("UCX", transport.status());
+  // Expert nodes registered as "shm://host:port" are reached over shared memory, the others over UCX.
+  k3::dataplane::UcxOptions ucx_options;
+  ucx_options.host = absl::GetFlag(FLAGS_host);
+  auto ucx = k3::dataplane::NewUcxTransport(ucx_options);
+  if (!ucx.ok()) return Fail("UCX", ucx.status());
+  auto shm = k3::dataplane::NewShmTransport();
+  if (!shm.ok()) return Fail("shared memory", shm.status());
+  auto transport = k3::dataplane::NewSchemeTransport(std::move(*shm), std::move(*ucx));
+  auto wire_dtype = WireDType(absl::GetFlag(FLAGS_wire_dtype), device, model_dir);
+  if (!wire_dtype.ok()) return Fail("--wire-dtype", wire_dtype.status());
 
   auto* dispatch_seconds = k3::metrics::Must(registry.AddHistogram(
       "k3serve_dispatch_seconds", "Round trip of one MoE dispatch part to an expert node.",
@@ -206,7 +231,19 @@ int main(int argc, char** argv) {
   auto* node_failures = k3::metrics::Must(
       registry.AddCounter("k3serve_expert_node_unreachable_total", "Expert nodes this attention node lost.", {"node"}));
   Reporter* reporter = nullptr;
+  auto* dispatch_stages = k3::metrics::Must(registry.AddHistogram(
+      "k3serve_dispatch_stage_seconds",
+      "One MoE dispatch part by stage: pack, out, window, compute, back, unpack (out and back on one host only).",
+      k3::metrics::ExponentialBuckets(1e-6, 2, 24), {"stage"}));
+  k3::metrics::Histogram* stage_h[] = {&dispatch_stages->WithLabels({"pack"}), &dispatch_stages->WithLabels({"out"}),
+                                       &dispatch_stages->WithLabels({"window"}), &dispatch_stages->WithLabels({"compute"}),
+                                       &dispatch_stages->WithLabels({"back"}), &dispatch_stages->WithLabels({"unpack"})};
   k3::router::DispatcherOptions dopt;
+  dopt.dtype = *wire_dtype;
+  dopt.on_stages = [&](const std::string&, const k3::router::DispatchStages& st) {
+    const absl::Duration d[] = {st.pack, st.out, st.window, st.compute, st.back, st.unpack};
+    for (int i = 0; i < 6; ++i) stage_h[i]->Observe(std::max(0.0, absl::ToDoubleSeconds(d[i])));
+  };
   dopt.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_dispatch_timeout_ms));
   dopt.node_token = k3::auth::NodeToken();
   dopt.on_part = [&](const std::string& node, size_t out, size_t in, absl::Duration took) {
@@ -219,7 +256,7 @@ int main(int argc, char** argv) {
     node_failures->WithLabels({node}).Inc();
     if (reporter) reporter->NodeFailed(node, std::string(why.message()));
   };
-  k3::router::Dispatcher dispatcher(config, **transport, dopt);
+  k3::router::Dispatcher dispatcher(config, *transport, dopt);
   k3::router::LoadCountingExecutor counted(dispatcher, config);
 
   auto* placement_version = &k3::metrics::Must(registry.AddGauge("k3serve_placement_version", "Expert placement in use."))->WithLabels();

@@ -14,6 +14,16 @@
 #endif
 
 namespace k3 {
+namespace {
+
+// An attention node counts as sending while its last request is this recent.
+constexpr int64_t kSendingNs = 10'000'000;
+
+int64_t MonotonicNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
 
 ExpertNode::ExpertNode(ModelConfig config, std::shared_ptr<const Checkpoint> checkpoint, ExpertNodeOptions options,
                        metrics::Registry& reg)
@@ -41,13 +51,26 @@ absl::Status ExpertNode::Listen(dataplane::Transport& transport, const std::stri
   dataplane::ServerCallbacks cb;
   cb.on_message = [this](dataplane::ConnectionId from, dataplane::Buffer msg) {
     if (!Admit(from, msg)) return;
+    const int64_t now = MonotonicNs();
+    // Decoded here, on the transport's thread, so that the window knows the layer.
+    auto request = wire::DecodeExpertRequest(msg.span(), {static_cast<uint32_t>(config_.num_experts)});
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({from, std::move(msg)});
+      Sender& s = senders_[from];
+      s.last_seen_ns = now;
+      if (request.ok()) s.last_layer = request->layer;
+      queue_.push_back({from, std::move(msg), std::move(request), now});
     }
     cv_.notify_one();
   };
-  cb.on_closed = [this](dataplane::ConnectionId conn, absl::Status) { greeted_.erase(conn); };
+  cb.on_closed = [this](dataplane::ConnectionId conn, absl::Status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      senders_.erase(conn);
+    }
+    greeted_.erase(conn);
+    cv_.notify_one();
+  };
   K3_ASSIGN_OR_RETURN(server_, transport.Listen(address, std::move(cb)));
   return absl::OkStatus();
 }
@@ -146,10 +169,12 @@ void ExpertNode::Worker() {
   while (true) {
     cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, and every queued row answered
-    // The batching window: more rows from other attention nodes (or micro-batches) may join.
+    // The batching window: rows of the same layer from the other attention nodes may join. It
+    // closes once none of them still has to send, so a lone attention node never waits.
     const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.batch_window);
+    const uint32_t layer = queue_.front().request.ok() ? queue_.front().request->layer : 0;
     while (!stopping_ && static_cast<int64_t>(queue_.size()) < options_.max_batch_messages &&
-           cv_.wait_until(lock, deadline) != std::cv_status::timeout) {
+           !WindowCanClose(layer, MonotonicNs()) && cv_.wait_until(lock, deadline) != std::cv_status::timeout) {
     }
     std::vector<Item> items(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
     queue_.clear();
@@ -160,6 +185,13 @@ void ExpertNode::Worker() {
   }
 }
 
+bool ExpertNode::WindowCanClose(uint32_t layer, int64_t now_ns) const {
+  // A sending attention node whose latest rows are for an earlier layer has this layer's on the way.
+  for (const auto& [conn, s] : senders_)
+    if (now_ns - s.last_seen_ns <= kSendingNs && s.last_layer < layer) return false;
+  return true;
+}
+
 void ExpertNode::ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s) {
   m_errors_->WithLabels({absl::StatusCodeToString(s.code())}).Inc();
   auto buf = wire::Encode<dataplane::Buffer>(wire::ErrorReply{request_id, s});
@@ -168,6 +200,7 @@ void ExpertNode::ReplyError(dataplane::ConnectionId to, uint64_t request_id, con
 
 void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
   const absl::Time t0 = absl::Now();
+  const int64_t start_ns = MonotonicNs();
   struct Req {
     size_t item;
     wire::ExpertRequest m;
@@ -176,7 +209,7 @@ void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
   const int64_t k = config_.top_k, X = config_.expert_width();
   std::map<uint32_t, std::vector<Req>> by_layer;  // grouped so each layer runs one grouped GEMM per expert
   for (size_t i = 0; i < items.size(); ++i) {
-    auto m = wire::DecodeExpertRequest(items[i].msg.span(), {static_cast<uint32_t>(config_.num_experts)});
+    auto& m = items[i].request;
     if (!m.ok()) {
       ReplyError(items[i].from, 0, m.status());
       continue;
@@ -241,12 +274,15 @@ void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
       }
       wire::ExpertReply reply;
       reply.request_id = r.m.request_id;
+      reply.received_at_ns = static_cast<uint64_t>(items[r.item].received_ns);
+      reply.queued_ns = static_cast<uint64_t>(std::max<int64_t>(0, start_ns - items[r.item].received_ns));
       reply.dtype = r.m.dtype;
       reply.width = static_cast<uint32_t>(X);
       reply.n_rows = r.m.n_rows;
       std::vector<std::byte> sums(static_cast<size_t>(r.m.n_rows) * X * wire::RowDTypeSize(r.m.dtype));
       status.Update(wire::FromFloat(std::span<const float>(out.data() + r.first_row * X, r.m.n_rows * X), r.m.dtype, sums));
       reply.sums = sums;
+      reply.compute_ns = static_cast<uint64_t>(MonotonicNs() - start_ns);
       auto buf = wire::Encode<dataplane::Buffer>(reply);
       if (!buf.ok()) {
         ReplyError(to, r.m.request_id, buf.status());

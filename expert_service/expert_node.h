@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -23,6 +24,7 @@ namespace k3 {
 namespace v1 = ::k3serve::v1;
 }  // namespace k3
 #include "router/transport.h"
+#include "router/wire.h"
 
 namespace k3 {
 
@@ -31,7 +33,9 @@ class GpuExperts;  // expert_service/gpu_experts.h, in CUDA builds
 struct ExpertNodeOptions {
   std::string node_id;
   std::string device = "cpu";  // or "cuda" (CUDA builds): the slots' experts on the GPU
-  absl::Duration batch_window = absl::Microseconds(200);  // wait this long for more rows
+  // The longest wait for more rows: a batch starts as soon as every attention node that is sending
+  // has sent its rows for the batch's layer, or after this long.
+  absl::Duration batch_window = absl::Microseconds(200);
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
   // Data-plane connections must open with a Hello carrying this token (empty: no handshake needed).
   std::string node_token;
@@ -58,6 +62,13 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   struct Item {
     dataplane::ConnectionId from;
     dataplane::Buffer msg;
+    absl::StatusOr<wire::ExpertRequest> request;  // borrows msg
+    int64_t received_ns = 0;                       // CLOCK_MONOTONIC
+  };
+  // What the batching window knows of one attention node (connection).
+  struct Sender {
+    int64_t last_seen_ns = 0;
+    uint32_t last_layer = 0;  // of its latest request
   };
   struct Slots {
     uint64_t version = 0;
@@ -66,6 +77,8 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
     std::shared_ptr<GpuExperts> gpu;              // the same slots on the GPU (--device cuda)
   };
   void Worker();
+  // True when no attention node that is sending still has to send rows for `layer` (under mu_).
+  bool WindowCanClose(uint32_t layer, int64_t now_ns) const;
   void RunBatch(std::vector<Item>& items, const Slots& slots);
   void ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s);
   // The handshake, on the transport's thread: false if the message must not be queued.
@@ -80,6 +93,7 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
+  std::map<dataplane::ConnectionId, Sender> senders_;
   bool stopping_ = false;
   std::shared_ptr<const Slots> slots_;
   std::thread worker_;

@@ -16,6 +16,7 @@
 #include "common/tls.h"
 #include "expert_service/expert_node.h"
 #include "router/router_client.h"
+#include "router/shm_transport.h"
 #include "router/ucx_transport.h"
 
 ABSL_FLAG(std::string, model, "", "model directory");
@@ -29,6 +30,8 @@ ABSL_FLAG(std::string, node_id, "", "unique node id (default: expert-<host>-<pid
 ABSL_FLAG(int, batch_window_us, 200, "how long to wait for more rows before running a batch");
 ABSL_FLAG(double, drain_seconds, 2.0, "on SIGTERM, keep answering this long after leaving the placement");
 ABSL_FLAG(std::string, device, "cpu", "where the experts run: cpu, or cuda (CUDA builds)");
+ABSL_FLAG(std::string, data_plane, "ucx",
+          "ucx (any host; UCX_TLS / UCX_NET_DEVICES apply), or shm (shared memory: attention nodes on this host only)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port data_port\" here once serving");
 
 namespace {
@@ -77,10 +80,13 @@ int main(int argc, char** argv) {
 #endif
   k3::ExpertNode node(*config, std::make_shared<const k3::Checkpoint>(std::move(*ckpt)), opt, registry);
 
+  const std::string data_plane = absl::GetFlag(FLAGS_data_plane);
+  if (data_plane != "ucx" && data_plane != "shm")
+    return Fail("--data-plane", absl::InvalidArgumentError("--data-plane must be \"ucx\" or \"shm\", got \"" + data_plane + "\""));
   k3::dataplane::UcxOptions ucx;
   ucx.host = absl::GetFlag(FLAGS_host);
-  auto transport = k3::dataplane::NewUcxTransport(ucx);
-  if (!transport.ok()) return Fail("UCX", transport.status());
+  auto transport = data_plane == "shm" ? k3::dataplane::NewShmTransport() : k3::dataplane::NewUcxTransport(ucx);
+  if (!transport.ok()) return Fail(data_plane, transport.status());
   if (auto s = node.Listen(**transport, absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_data_port))); !s.ok())
     return Fail("data plane", s);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&node}, *creds);
@@ -96,7 +102,7 @@ int main(int argc, char** argv) {
   self.set_role(k3::v1::NODE_ROLE_EXPERT);
   self.set_node_id(node_id);
   self.set_grpc_address(absl::StrCat(host, ":", grpc->port));
-  self.set_ucx_address(absl::StrCat(host, ":", data_port));
+  self.set_ucx_address(absl::StrCat(data_plane == "shm" ? k3::dataplane::kShmScheme : "", host, ":", data_port));
   auto router = std::make_unique<k3::router::RouterClient>(absl::GetFlag(FLAGS_router), self, [](const k3::v1::Placement&) {});
   std::fprintf(stderr, "k3serve-expert %s: data plane %s, gRPC %d, metrics %d\n", node_id.c_str(),
                self.ucx_address().c_str(), grpc->port, http ? http->port() : -1);

@@ -1,6 +1,7 @@
-// k3serve-bench-dataplane [spin_us]: round-trip latency and throughput of the UCX data plane
-// between two processes on this host (the server is a forked child). Prints figures; asserts
-// nothing. spin_us sets UcxOptions::spin on both sides.
+// k3serve-bench-dataplane [spin_us [ucx|shm]]: round-trip latency and throughput of the data plane
+// between two processes on this host (the server is a forked child), over UCX (default) or the
+// shared-memory transport. Prints figures; asserts nothing. spin_us sets the progress threads'
+// spin on both sides.
 // UCX_TLS selects the transports as usual, e.g. UCX_TLS=tcp,self for TCP loopback.
 // DESIGN §7 anchors for this machine class: UCX 0.33 µs tag latency, 9-15 GB/s at 1 MiB on shared
 // memory, TCP loopback 3.9 µs.
@@ -20,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "router/shm_transport.h"
 #include "router/ucx_transport.h"
 
 using namespace k3::dataplane;
@@ -28,8 +30,19 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // Replies with the message itself up to 4 KiB (latency), with an 8-byte ack above (throughput).
-[[noreturn]] void RunServer(int address_pipe, const UcxOptions& options) {
-  auto transport = NewUcxTransport(options);
+absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(bool shm, std::chrono::microseconds spin) {
+  if (shm) {
+    ShmOptions o;
+    o.spin = spin;
+    return NewShmTransport(o);
+  }
+  UcxOptions o;
+  o.spin = spin;
+  return NewUcxTransport(o);
+}
+
+[[noreturn]] void RunServer(int address_pipe, bool shm, std::chrono::microseconds spin) {
+  auto transport = MakeTransport(shm, spin);
   if (!transport.ok()) {
     std::fprintf(stderr, "server: %s\n", transport.status().ToString().c_str());
     std::_Exit(1);
@@ -72,15 +85,15 @@ double CpuSeconds() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  UcxOptions options;
-  if (argc > 1) options.spin = std::chrono::microseconds(std::atoi(argv[1]));
+  const auto spin = std::chrono::microseconds(argc > 1 ? std::atoi(argv[1]) : 200);
+  const bool shm = argc > 2 && std::string(argv[2]) == "shm";
   // Fork before any UCX state exists in this process.
   int fds[2];
   if (::pipe(fds) != 0) return 1;
   const pid_t child = ::fork();
   if (child == 0) {
     ::close(fds[0]);
-    RunServer(fds[1], options);
+    RunServer(fds[1], shm, spin);
   }
   ::close(fds[1]);
   std::string address;
@@ -89,10 +102,11 @@ int main(int argc, char** argv) {
   ::close(fds[0]);
 
   const char* tls = std::getenv("UCX_TLS");
-  std::printf("server %s (pid %d), UCX_TLS=%s, progress spin %lld us\n", address.c_str(), child,
-              tls ? tls : "(default)", static_cast<long long>(options.spin.count()));
+  std::printf("server %s (pid %d), %s, progress spin %lld us\n", address.c_str(), child,
+              shm ? "shared memory" : absl::StrCat("UCX_TLS=", tls ? tls : "(default)").c_str(),
+              static_cast<long long>(spin.count()));
 
-  auto transport = NewUcxTransport(options);
+  auto transport = MakeTransport(shm, spin);
   if (!transport.ok()) {
     std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
     return 1;

@@ -1,4 +1,4 @@
-// k3serve-dataplane-echo [host:port]: a data-plane server that sends every message back on the
+// k3serve-dataplane-echo [host:port [ucx|shm]]: a data-plane server that sends every message back on the
 // connection it came from. Prints "listening on <host:port>" on stdout (UCX may log there too), then
 // runs until SIGTERM or SIGINT, or until its parent exits: it is a test peer in another process
 // (the transport tests kill it), not a service.
@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <string_view>
 
+#include "router/shm_transport.h"
 #include "router/ucx_transport.h"
 
 using namespace k3::dataplane;
@@ -26,7 +28,8 @@ int main(int argc, char** argv) {
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
-  auto transport = NewUcxTransport();
+  const bool shm = argc > 2 && std::string_view(argv[2]) == "shm";
+  auto transport = shm ? NewShmTransport() : NewUcxTransport();
   if (!transport.ok()) {
     std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
     return 1;

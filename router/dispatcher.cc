@@ -1,12 +1,20 @@
 #include "router/dispatcher.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <tuple>
 
 #include "absl/strings/str_join.h"
 
 namespace k3::router {
+namespace {
+
+int64_t MonotonicNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
 
 Dispatcher::Dispatcher(const ModelConfig& config, dataplane::Transport& transport, DispatcherOptions options)
     : config_(config), transport_(transport), options_(std::move(options)) {}
@@ -102,6 +110,7 @@ absl::Duration Dispatcher::Timeout() const {
 }
 
 absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int attempt) {
+  const int64_t pack_start = MonotonicNs();
   std::unique_lock<std::mutex> lock(mu_);
   if (!placement_) return absl::UnavailableError("no expert placement yet");
   const PlacementTable& pt = *placement_;
@@ -184,6 +193,8 @@ absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int a
   pending.start = absl::Now();
   pending.request = r;
   pending.attempt = attempt;
+  const int64_t sent_ns = MonotonicNs();
+  pending.pack_ns = sent_ns - pack_start;
   std::vector<std::tuple<std::shared_ptr<Peer>, uint64_t, dataplane::Buffer>> sends;
   for (size_t node = 0; node < out.size(); ++node) {
     if (out[node].rows.empty()) continue;
@@ -192,6 +203,7 @@ absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int a
     part.rows = std::move(out[node].rows);
     part.wire_id = out[node].m.request_id;
     part.bytes_out = out[node].buf.size();
+    part.sent_ns = sent_ns;
     part.peer->outstanding_rows += static_cast<int64_t>(part.rows.size());
     parts_[part.wire_id] = {ticket, pending.parts.size()};
     sends.emplace_back(part.peer, part.wire_id, std::move(out[node].buf));
@@ -230,8 +242,10 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
     cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, absl::Milliseconds(100))));
   }
   absl::Status status = p.status;
+  std::vector<std::pair<std::string, DispatchStages>> stages;
   if (status.ok()) {
     // Sum the nodes' partials in node order: the same order every time.
+    const int64_t sum_start = MonotonicNs();
     std::fill(out, out + p.rows * p.width, 0.0f);
     for (const Part& part : p.parts)
       for (size_t i = 0; i < part.rows.size(); ++i) {
@@ -239,6 +253,21 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
         const float* src = part.sums.data() + i * p.width;
         for (int64_t c = 0; c < p.width; ++c) dst[c] += src[c];
       }
+    if (options_.on_stages) {
+      const int64_t sum_ns = (MonotonicNs() - sum_start) / static_cast<int64_t>(std::max<size_t>(1, p.parts.size()));
+      for (const Part& part : p.parts) {
+        const wire::ExpertReply& t = part.timing;
+        const int64_t received = static_cast<int64_t>(t.received_at_ns);
+        const int64_t replied = received + static_cast<int64_t>(t.queued_ns + t.compute_ns);
+        stages.emplace_back(part.peer->node_id,
+                            DispatchStages{.pack = absl::Nanoseconds(p.pack_ns),
+                                           .out = absl::Nanoseconds(received - part.sent_ns),
+                                           .window = absl::Nanoseconds(t.queued_ns),
+                                           .compute = absl::Nanoseconds(t.compute_ns),
+                                           .back = absl::Nanoseconds(part.arrived_ns - replied),
+                                           .unpack = absl::Nanoseconds(part.decode_ns + sum_ns)});
+      }
+    }
   }
   std::vector<std::shared_ptr<Peer>> release;
   for (Part& part : p.parts) {
@@ -255,6 +284,7 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
   pending_.erase(it);
   lock.unlock();
   closing.clear();
+  for (const auto& [node, st] : stages) options_.on_stages(node, st);
   if (options_.on_node_failure)
     for (const std::string& node : hung) options_.on_node_failure(node, absl::UnavailableError("no reply in time"));
   // A node failed or hung: once more on the replicas that are left, if every expert has one.
@@ -266,6 +296,7 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
 }
 
 void Dispatcher::OnMessage(const std::string& node_id, dataplane::Buffer msg) {
+  const int64_t arrived_ns = MonotonicNs();
   auto type = wire::PeekType(msg.span());
   if (!type.ok()) {
     OnFailure(node_id, absl::DataLossError(absl::StrCat("malformed message from expert node: ", type.status().message())));
@@ -277,16 +308,14 @@ void Dispatcher::OnMessage(const std::string& node_id, dataplane::Buffer msg) {
       OnFailure(node_id, reply.status());
       return;
     }
-    std::vector<float> sums(static_cast<size_t>(reply->n_rows) * reply->width);
-    absl::Status s = wire::ToFloat(reply->dtype, reply->sums, sums);
-    FinishPart(reply->request_id, s, sums, msg.size());
+    FinishPart(reply->request_id, absl::OkStatus(), {&*reply, arrived_ns}, msg.size());
   } else if (*type == wire::MessageType::kErrorReply) {
     auto err = wire::DecodeErrorReply(msg.span());
     if (err.ok()) FinishPart(err->request_id, err->status, {}, msg.size());
   }
 }
 
-void Dispatcher::FinishPart(uint64_t wire_id, const absl::Status& status, std::span<const float> sums, size_t bytes_in) {
+void Dispatcher::FinishPart(uint64_t wire_id, const absl::Status& status, const Arrival& arrival, size_t bytes_in) {
   std::string node;
   size_t bytes_out = 0;
   absl::Duration took;
@@ -297,13 +326,21 @@ void Dispatcher::FinishPart(uint64_t wire_id, const absl::Status& status, std::s
     Pending& p = pending_.at(it->second.first);
     Part& part = p.parts[it->second.second];
     if (part.done) return;
-    if (status.ok() && sums.size() != part.rows.size() * static_cast<size_t>(p.width)) {
-      p.status = absl::DataLossError(absl::StrCat("expert node ", part.peer->node_id, " replied with ", sums.size(),
+    const wire::ExpertReply* reply = arrival.reply;
+    const size_t values = reply ? static_cast<size_t>(reply->n_rows) * reply->width : 0;
+    if (status.ok() && values != part.rows.size() * static_cast<size_t>(p.width)) {
+      p.status = absl::DataLossError(absl::StrCat("expert node ", part.peer->node_id, " replied with ", values,
                                                   " values, expected ", part.rows.size() * p.width));
     } else if (!status.ok()) {
       p.status = absl::Status(status.code(), absl::StrCat("expert node ", part.peer->node_id, ": ", status.message()));
     } else {
-      part.sums.assign(sums.begin(), sums.end());
+      // Straight from the message into the part: one conversion, no intermediate copy.
+      part.sums.resize(values);
+      p.status.Update(wire::ToFloat(reply->dtype, reply->sums, part.sums));
+      part.timing = *reply;
+      part.timing.sums = {};
+      part.arrived_ns = arrival.arrived_ns;
+      part.decode_ns = MonotonicNs() - arrival.arrived_ns;
     }
     part.done = true;
     part.peer->outstanding_rows -= static_cast<int64_t>(part.rows.size());

@@ -19,6 +19,17 @@
 
 namespace k3::router {
 
+// Where one dispatch part's time went. out and back compare the two nodes' CLOCK_MONOTONIC, so they
+// are meaningful on one host only; their sum is meaningful anywhere.
+struct DispatchStages {
+  absl::Duration pack;     // routing, replica choice, rows to wire dtype, encoding (whole dispatch)
+  absl::Duration out;      // send to arrival at the expert node
+  absl::Duration window;   // waiting in the expert node's batching window
+  absl::Duration compute;  // the expert batch up to this reply's send
+  absl::Duration back;     // reply send to arrival here
+  absl::Duration unpack;   // decoding the reply and summing the partials
+};
+
 struct DispatcherOptions {
   // A dispatch part unanswered this long marks its node suspect (reported, avoided for a while)
   // and is retried on a replica, else fails UNAVAILABLE naming the node. Zero: adaptive, the
@@ -29,6 +40,8 @@ struct DispatcherOptions {
   std::string node_token;  // sent as each connection's first message (wire::Hello)
   // Called on the transport's thread after every dispatch part completes (metrics); must not block.
   std::function<void(const std::string& node_id, size_t bytes_out, size_t bytes_in, absl::Duration)> on_part;
+  // Called on the engine's thread (in Wait) for every part that succeeded; must not block.
+  std::function<void(const std::string& node_id, const DispatchStages&)> on_stages;
   // Called on the transport's thread when an expert node fails; must not block.
   std::function<void(const std::string& node_id, const absl::Status& why)> on_node_failure;
 };
@@ -65,6 +78,9 @@ class Dispatcher : public ExpertExecutor {
     uint64_t wire_id = 0;       // the message's request id
     bool done = false;
     size_t bytes_out = 0;
+    // Stage timestamps and durations, CLOCK_MONOTONIC ns (DispatchStages).
+    int64_t sent_ns = 0, arrived_ns = 0, decode_ns = 0;
+    wire::ExpertReply timing;  // received_at_ns, queued_ns, compute_ns; sums not kept
   };
   struct Pending {
     int64_t rows = 0, width = 0;
@@ -74,13 +90,19 @@ class Dispatcher : public ExpertExecutor {
     absl::Time start;
     ExpertRequest request;  // the caller's, valid until Wait returns: a retry re-sends it
     int attempt = 0;
+    int64_t pack_ns = 0;
+  };
+  // The reply's timings and when it arrived, for DispatchStages.
+  struct Arrival {
+    const wire::ExpertReply* reply = nullptr;
+    int64_t arrived_ns = 0;
   };
 
   void OnMessage(const std::string& node_id, dataplane::Buffer msg);
   void OnFailure(const std::string& node_id, const absl::Status& why);
-  void FinishPart(uint64_t wire_id, const absl::Status& status, std::span<const float> sums, size_t bytes_in);
   absl::StatusOr<uint64_t> SubmitAttempt(const ExpertRequest& request, int attempt);
   absl::Duration Timeout() const;  // mu_ held
+  void FinishPart(uint64_t wire_id, const absl::Status& status, const Arrival& arrival, size_t bytes_in);
 
   const ModelConfig& config_;
   dataplane::Transport& transport_;

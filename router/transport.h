@@ -10,10 +10,13 @@
 // rather than deadlock. Connections and servers must be destroyed before their transport.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 
@@ -22,13 +25,74 @@
 
 namespace k3::dataplane {
 
-// One owned message. The bytes are not zero-filled on allocation: messages are up to many MiB and
-// always written in full (by the codec, or by the transport on receive).
+namespace detail {
+
+// Recycles message memory by power-of-two size class (64 B to 64 MiB, a few blocks each), so that
+// steady traffic allocates nothing per message; larger blocks go straight to the heap.
+class BufferPool {
+ public:
+  static constexpr int kMinShift = 6, kMaxShift = 26, kPerClass = 16;
+
+  // A block of at least `size` bytes; *capacity says how many.
+  static std::byte* Take(size_t size, size_t* capacity) {
+    const int shift = std::max(kMinShift, static_cast<int>(std::bit_width(size - 1)));
+    if (shift > kMaxShift) {
+      *capacity = size;
+      return new std::byte[size];
+    }
+    *capacity = size_t{1} << shift;
+    Class& c = Instance().classes_[shift - kMinShift];
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.n > 0) return c.free[--c.n];
+    }
+    return new std::byte[*capacity];
+  }
+  static void Give(std::byte* p, size_t capacity) {
+    const int shift = static_cast<int>(std::bit_width(capacity - 1));
+    if (capacity == (size_t{1} << shift) && shift >= kMinShift && shift <= kMaxShift) {
+      Class& c = Instance().classes_[shift - kMinShift];
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.n < kPerClass) {
+        c.free[c.n++] = p;
+        return;
+      }
+    }
+    delete[] p;
+  }
+
+ private:
+  struct Class {
+    std::mutex mu;
+    int n = 0;
+    std::byte* free[kPerClass];
+  };
+  static BufferPool& Instance() {
+    static BufferPool* pool = new BufferPool;  // never destroyed: buffers may outlive static destructors
+    return *pool;
+  }
+  Class classes_[kMaxShift - kMinShift + 1];
+};
+
+struct PoolDeleter {
+  size_t capacity = 0;
+  void operator()(std::byte* p) const { BufferPool::Give(p, capacity); }
+};
+
+}  // namespace detail
+
+// One owned message, its memory from detail::BufferPool. The bytes are not zero-filled on
+// allocation: messages are up to many MiB and always written in full (by the codec, or by the
+// transport on receive).
 class Buffer {
  public:
   Buffer() = default;
-  explicit Buffer(size_t size)
-      : data_(size == 0 ? nullptr : std::make_unique_for_overwrite<std::byte[]>(size)), size_(size) {}
+  explicit Buffer(size_t size) : size_(size) {
+    if (size == 0) return;
+    size_t capacity = 0;
+    std::byte* p = detail::BufferPool::Take(size, &capacity);
+    data_ = std::unique_ptr<std::byte[], detail::PoolDeleter>(p, detail::PoolDeleter{capacity});
+  }
 
   std::byte* data() { return data_.get(); }
   const std::byte* data() const { return data_.get(); }
@@ -37,7 +101,7 @@ class Buffer {
   std::span<const std::byte> span() const { return {data_.get(), size_}; }
 
  private:
-  std::unique_ptr<std::byte[]> data_;
+  std::unique_ptr<std::byte[], detail::PoolDeleter> data_;
   size_t size_ = 0;
 };
 

@@ -13,6 +13,11 @@
 //   loopback (lanes tcp/lo + tcp/eth0, keepalive on tcp): ~20-30 µs round trips and 1-2 GB/s at
 //   1 MiB on the shared 2-core dev box, not the 0.33 µs / 9-15 GB/s that shared memory reaches
 //   without error handling. In a cluster, RDMA transports do detect peer failure and are picked.
+//   Between processes on one host the data plane uses router/shm_transport.h instead (its own rings
+//   in a shared mapping, a dead peer seen through a TCP control connection).
+// - Across hosts, UCX_TLS (e.g. rc,tcp) and UCX_NET_DEVICES (e.g. mlx5_0:1) pass through from the
+//   environment of k3serve-attention and k3serve-expert; unset, UCX picks RDMA verbs where there
+//   are any, else TCP.
 // - Do not set UCX_MM_ERROR_HANDLING=y (which makes shared memory eligible) or UCX_PROTO_ENABLE=y
 //   with UCX 1.13: the active-message path over shared memory then drops messages ("Invalid
 //   am_short_iov length") or asserts. Error mode NONE (shared memory) has the same bugs here.

@@ -1,4 +1,8 @@
+// The transport tests, built twice: over UCX (ucx_transport_test) and over shared memory
+// (shm_transport_test, K3SERVE_TEST_SHM).
+#include "router/shm_transport.h"
 #include "router/ucx_transport.h"
+#include "router/wire.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -27,6 +31,16 @@ namespace k3::dataplane {
 namespace {
 
 using namespace std::chrono_literals;
+
+#ifdef K3SERVE_TEST_SHM
+#define K3_SUITE ShmTransport
+constexpr const char* kEchoKind = "shm";
+absl::StatusOr<std::unique_ptr<Transport>> MakeTransport() { return NewShmTransport(); }
+#else
+#define K3_SUITE UcxTransport
+constexpr const char* kEchoKind = "ucx";
+absl::StatusOr<std::unique_ptr<Transport>> MakeTransport() { return NewUcxTransport(); }
+#endif
 
 // Messages carry a u64 tag in their first bytes and a pattern derived from it after.
 Buffer Patterned(uint64_t tag, size_t size) {
@@ -75,7 +89,7 @@ class Waiter {
 class EchoServer {
  public:
   EchoServer() {
-    auto t = NewUcxTransport();
+    auto t = MakeTransport();
     EXPECT_TRUE(t.ok()) << t.status();
     transport_ = std::move(*t);
     auto s = transport_->Listen("127.0.0.1:0",
@@ -180,12 +194,12 @@ class Client {
 };
 
 std::unique_ptr<Transport> NewTransport() {
-  auto t = NewUcxTransport();
+  auto t = MakeTransport();
   EXPECT_TRUE(t.ok()) << t.status();
   return t.ok() ? std::move(*t) : nullptr;
 }
 
-TEST(UcxTransport, RoundTrip) {
+TEST(K3_SUITE, RoundTrip) {
   EchoServer server;
   auto transport = NewTransport();
   Client client(*transport, server.address());
@@ -199,13 +213,15 @@ TEST(UcxTransport, RoundTrip) {
   EXPECT_EQ(client.failures(), 0);
 }
 
-TEST(UcxTransport, ServerAddressHasTheBoundPort) {
+TEST(K3_SUITE, ServerAddressHasTheBoundPort) {
   EchoServer server;
-  EXPECT_TRUE(server.address().starts_with("127.0.0.1:")) << server.address();
-  EXPECT_NE(server.address(), "127.0.0.1:0");
+  std::string address = server.address();
+  if (address.starts_with(kShmScheme)) address = address.substr(sizeof(kShmScheme) - 1);
+  EXPECT_TRUE(address.starts_with("127.0.0.1:")) << server.address();
+  EXPECT_NE(address, "127.0.0.1:0");
 }
 
-TEST(UcxTransport, ManyConcurrentMessagesFromSeveralThreads) {
+TEST(K3_SUITE, ManyConcurrentMessagesFromSeveralThreads) {
   EchoServer server;
   auto transport = NewTransport();
   constexpr int kConnections = 2, kThreadsPerConnection = 2, kPerThread = 400;
@@ -242,7 +258,7 @@ TEST(UcxTransport, ManyConcurrentMessagesFromSeveralThreads) {
   EXPECT_EQ(server.messages(), kConnections * kThreadsPerConnection * kPerThread);
 }
 
-TEST(UcxTransport, SixtyFourMiBMessage) {
+TEST(K3_SUITE, SixtyFourMiBMessage) {
   EchoServer server;
   auto transport = NewTransport();
   Client client(*transport, server.address());
@@ -254,7 +270,7 @@ TEST(UcxTransport, SixtyFourMiBMessage) {
   EXPECT_TRUE(client.sent().at(7).ok()) << client.sent().at(7);
 }
 
-TEST(UcxTransport, EmptyMessage) {
+TEST(K3_SUITE, EmptyMessage) {
   EchoServer server;
   auto transport = NewTransport();
   Client client(*transport, server.address());
@@ -263,7 +279,7 @@ TEST(UcxTransport, EmptyMessage) {
   EXPECT_EQ(client.TakeReply(0).size(), 0u);
 }
 
-TEST(UcxTransport, ServerLearnsOfClosedConnection) {
+TEST(K3_SUITE, ServerLearnsOfClosedConnection) {
   EchoServer server;
   auto transport = NewTransport();
   Client client(*transport, server.address());
@@ -273,7 +289,7 @@ TEST(UcxTransport, ServerLearnsOfClosedConnection) {
   EXPECT_TRUE(server.WaitClosed(1, 10s));
 }
 
-TEST(UcxTransport, ConnectToNobodyFails) {
+TEST(K3_SUITE, ConnectToNobodyFails) {
   // A port that was just free: bind, read the port, close.
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -296,7 +312,7 @@ TEST(UcxTransport, ConnectToNobodyFails) {
   EXPECT_TRUE(absl::IsUnavailable(client.sent().at(2))) << client.sent().at(2);
 }
 
-TEST(UcxTransport, BadAddresses) {
+TEST(K3_SUITE, BadAddresses) {
   auto transport = NewTransport();
   for (const char* address :
        {"no-port", "127.0.0.1:", "127.0.0.1:99999", ":1234", "no.such.host.invalid:1"}) {
@@ -306,7 +322,7 @@ TEST(UcxTransport, BadAddresses) {
   EXPECT_TRUE(absl::IsInvalidArgument(transport->Listen("127.0.0.1:x", {}).status()));
 }
 
-TEST(UcxTransport, ServerSendToUnknownConnection) {
+TEST(K3_SUITE, ServerSendToUnknownConnection) {
   Waiter w;  // outlives the transport, whose thread notifies it
   absl::Status got;
   bool done = false;
@@ -337,7 +353,8 @@ class EchoProcess {
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, out[1], 1);
     const std::string binary = EchoBinary();
-    char* argv[] = {const_cast<char*>(binary.c_str()), const_cast<char*>("127.0.0.1:0"), nullptr};
+    char* argv[] = {const_cast<char*>(binary.c_str()), const_cast<char*>("127.0.0.1:0"),
+                    const_cast<char*>(kEchoKind), nullptr};
     EXPECT_EQ(posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv, environ), 0) << binary;
     posix_spawn_file_actions_destroy(&actions);
     ::close(out[1]);
@@ -374,7 +391,7 @@ class EchoProcess {
   std::string address_;
 };
 
-TEST(UcxTransport, PeerProcessRoundTripThenSigkill) {
+TEST(K3_SUITE, PeerProcessRoundTripThenSigkill) {
   EchoProcess echo;
   ASSERT_FALSE(echo.address().empty());
   auto transport = NewTransport();
@@ -405,7 +422,7 @@ TEST(UcxTransport, PeerProcessRoundTripThenSigkill) {
   EXPECT_TRUE(absl::IsUnavailable(client.sent().at(5))) << client.sent().at(5);
 }
 
-TEST(UcxTransport, ClosingWithSendsInFlightCompletesThem) {
+TEST(K3_SUITE, ClosingWithSendsInFlightCompletesThem) {
   EchoProcess echo;
   ASSERT_FALSE(echo.address().empty());
   auto transport = NewTransport();
@@ -422,7 +439,7 @@ TEST(UcxTransport, ClosingWithSendsInFlightCompletesThem) {
   EXPECT_TRUE(absl::IsCancelled(client.sent().at(2))) << client.sent().at(2);
 }
 
-TEST(UcxTransport, IdleProgressThreadSleeps) {
+TEST(K3_SUITE, IdleProgressThreadSleeps) {
   EchoServer server;
   auto transport = NewTransport();
   Client client(*transport, server.address());
@@ -439,6 +456,71 @@ TEST(UcxTransport, IdleProgressThreadSleeps) {
   std::printf("idle CPU with two connected transports: %.2f%% of one core\n", cpu * 100);
   EXPECT_LT(cpu, 0.05);
 }
+
+#ifdef K3SERVE_TEST_SHM
+// A peer that is not a shared-memory client (garbage, or a hello naming a mapping that does not
+// exist) is refused; the server keeps serving.
+TEST(ShmTransport, BadHelloIsRefused) {
+  EchoServer server;
+  const std::string address = server.address().substr(sizeof(kShmScheme) - 1);
+  const uint16_t port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  auto send_raw = [&](std::span<const std::byte> bytes) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+    char b;
+    EXPECT_EQ(::recv(fd, &b, 1, 0), 0) << "the server should close the connection without an ack";
+    ::close(fd);
+  };
+  const std::vector<std::byte> garbage(64, std::byte{0x5a});
+  send_raw(garbage);
+  auto hello = wire::EncodeShmHello({.ring_bytes = 1 << 20, .name = "/k3serve-dp-no-such-mapping"});
+  ASSERT_TRUE(hello.ok());
+  send_raw(*hello);
+
+  auto transport = NewTransport();
+  Client client(*transport, server.address());
+  client.Send(1, Patterned(1, 100));
+  ASSERT_TRUE(client.WaitReplies(1));
+  EXPECT_TRUE(MatchesPattern(client.TakeReply(1), 1, 100));
+}
+
+// A shared-memory client pointed at a server that does not speak it (here UCX) is told so.
+TEST(ShmTransport, ConnectToUcxServerFails) {
+  auto ucx = NewUcxTransport();
+  ASSERT_TRUE(ucx.ok()) << ucx.status();
+  auto server = (*ucx)->Listen("127.0.0.1:0", {});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ShmOptions options;
+  options.connect_timeout = 500ms;  // UCX accepts the TCP connection and never acks the hello
+  auto transport = NewShmTransport(options);
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  Client client(**transport, (*server)->address());
+  client.Send(1, Patterned(1, 64));
+  ASSERT_TRUE(client.WaitFailure(10s));
+  EXPECT_TRUE(absl::IsUnavailable(client.failure())) << client.failure();
+}
+
+// The scheme transport hands "shm://" addresses to the shared-memory transport, others to UCX.
+TEST(ShmTransport, SchemeTransportPicksByAddress) {
+  auto shm = NewShmTransport();
+  auto ucx = NewUcxTransport();
+  ASSERT_TRUE(shm.ok() && ucx.ok());
+  auto both = NewSchemeTransport(std::move(*shm), std::move(*ucx));
+  EchoServer shm_server;
+  Client shm_client(*both, shm_server.address());
+  shm_client.Send(1, Patterned(1, 100));
+  ASSERT_TRUE(shm_client.WaitReplies(1));
+  EXPECT_TRUE(MatchesPattern(shm_client.TakeReply(1), 1, 100));
+  auto listening = both->Listen("127.0.0.1:0", {});
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  EXPECT_FALSE((*listening)->address().starts_with(kShmScheme)) << (*listening)->address();
+}
+#endif
 
 }  // namespace
 }  // namespace k3::dataplane

@@ -1,5 +1,6 @@
 #include "router/wire.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -15,7 +16,7 @@ static_assert(std::endian::native == std::endian::little,
               "the wire format is little-endian and encoded with memcpy; add byte swaps here first");
 
 constexpr size_t kRequestFixed = 36;  // request_id .. n_pairs
-constexpr size_t kReplyFixed = 20;    // request_id .. n_rows
+constexpr size_t kReplyFixed = 44;    // request_id .. n_rows
 constexpr size_t kErrorFixed = 16;    // request_id .. message_length
 constexpr size_t kHelloFixed = 4;     // token_length
 constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
@@ -229,6 +230,9 @@ absl::Status EncodeTo(const ExpertReply& m, std::span<std::byte> out) {
   Writer w(out);
   w.PutHeader(MessageType::kExpertReply);
   w.Put(m.request_id);
+  w.Put(m.received_at_ns);
+  w.Put(m.queued_ns);
+  w.Put(m.compute_ns);
   PutDType(w, m.dtype);
   w.Put(m.width);
   w.Put(m.n_rows);
@@ -342,6 +346,9 @@ absl::StatusOr<ExpertReply> DecodeExpertReply(std::span<const std::byte> msg) {
   K3_ASSIGN_OR_RETURN(Reader r, OpenFixed(msg, kT, kReplyFixed));
   ExpertReply m;
   m.request_id = r.Get<uint64_t>();
+  m.received_at_ns = r.Get<uint64_t>();
+  m.queued_ns = r.Get<uint64_t>();
+  m.compute_ns = r.Get<uint64_t>();
   size_t sums_bytes;
   K3_RETURN_IF_ERROR(ReadRowBlock(r, kT, "sums", &m.dtype, &m.width, &m.n_rows, &sums_bytes));
   size_t total;
@@ -438,6 +445,110 @@ absl::Status FromFloat(std::span<const float> src, RowDType dtype, std::span<std
     std::memcpy(dst.data() + 2 * i, &h, 2);
   }
   return absl::OkStatus();
+}
+
+// ---- the shared-memory transport ----
+
+absl::StatusOr<std::vector<std::byte>> EncodeShmHello(const ShmHello& m) {
+  if (m.name.size() > 200) return absl::InvalidArgumentError("ShmHello: name longer than 200 bytes");
+  std::vector<std::byte> out(kShmHelloFixed + m.name.size());
+  Writer w(out);
+  w.Put(kShmHelloMagic);
+  w.Put(kVersion);
+  w.Put(uint16_t{0});
+  w.Put(static_cast<uint32_t>(out.size()));
+  w.Put(uint32_t{0});
+  w.Put(m.ring_bytes);
+  w.PutArray(std::span<const char>(m.name.data(), m.name.size()));
+  return out;
+}
+
+absl::StatusOr<size_t> ShmHelloLength(std::span<const std::byte> prefix) {
+  if (prefix.size() < 12) return 0;
+  Reader r(prefix, 0);
+  const auto magic = r.Get<uint32_t>();
+  const auto version = r.Get<uint16_t>();
+  r.Get<uint16_t>();
+  const auto length = r.Get<uint32_t>();
+  if (magic != kShmHelloMagic)
+    return absl::InvalidArgumentError(absl::StrFormat("ShmHello: bad magic 0x%08x, want 0x%08x", magic, kShmHelloMagic));
+  if (version != kVersion)
+    return absl::InvalidArgumentError(absl::StrFormat("ShmHello: unsupported version %d (this build speaks %d)", version, kVersion));
+  if (length < kShmHelloFixed + 2 || length > kShmHelloFixed + 200)
+    return absl::InvalidArgumentError(absl::StrFormat("ShmHello: total_length %d out of range [%d, %d]", length,
+                                                      kShmHelloFixed + 2, kShmHelloFixed + 200));
+  return length;
+}
+
+absl::StatusOr<ShmHello> DecodeShmHello(std::span<const std::byte> msg) {
+  K3_ASSIGN_OR_RETURN(size_t length, ShmHelloLength(msg));
+  if (length == 0 || length != msg.size())
+    return absl::InvalidArgumentError(absl::StrFormat("ShmHello: total_length %d, buffer holds %d", length, msg.size()));
+  Reader r(msg, 8);
+  r.Get<uint32_t>();
+  const auto zero = r.Get<uint32_t>();
+  if (zero != 0 || msg[6] != std::byte{0} || msg[7] != std::byte{0})
+    return absl::InvalidArgumentError("ShmHello: reserved fields are not zero");
+  ShmHello m;
+  m.ring_bytes = r.Get<uint64_t>();
+  if (m.ring_bytes < kShmMinRing || m.ring_bytes > kShmMaxRing || !std::has_single_bit(m.ring_bytes))
+    return absl::InvalidArgumentError(absl::StrFormat("ShmHello: ring_bytes %d is not a power of two in [%d, %d]",
+                                                      m.ring_bytes, kShmMinRing, kShmMaxRing));
+  const auto name = r.GetBytes(length - kShmHelloFixed);
+  m.name.assign(reinterpret_cast<const char*>(name.data()), name.size());
+  if (m.name[0] != '/') return absl::InvalidArgumentError("ShmHello: name does not start with '/'");
+  for (size_t i = 1; i < m.name.size(); ++i) {
+    const char c = m.name[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-'))
+      return absl::InvalidArgumentError(absl::StrFormat("ShmHello: name has a bad character at %d", i));
+  }
+  return m;
+}
+
+absl::StatusOr<uint64_t> RingReader::Read(std::span<const std::byte> ring, uint64_t tail, uint64_t head,
+                                          absl::FunctionRef<std::byte*(uint32_t)> begin,
+                                          absl::FunctionRef<void()> end) {
+  if (ring.size() != capacity_ || !std::has_single_bit(capacity_) || capacity_ < kRingFrameHeader)
+    return absl::InvalidArgumentError(absl::StrFormat("ring: %d bytes, capacity %d", ring.size(), capacity_));
+  if (head < tail || head - tail > capacity_)
+    return absl::InvalidArgumentError(absl::StrFormat("ring: head %d and tail %d are more than the capacity %d apart",
+                                                      head, tail, capacity_));
+  const uint64_t mask = capacity_ - 1;
+  while (tail < head) {
+    if (!in_frame_) {
+      // Frames start 8-aligned, so the header is contiguous and arrives whole.
+      if (tail % 8 != 0) return absl::InvalidArgumentError(absl::StrFormat("ring: frame at %d is not 8-aligned", tail));
+      if (head - tail < kRingFrameHeader) break;
+      uint32_t magic, length;
+      std::memcpy(&magic, ring.data() + (tail & mask), 4);
+      std::memcpy(&length, ring.data() + (tail & mask) + 4, 4);
+      if (magic != kRingFrameMagic)
+        return absl::InvalidArgumentError(absl::StrFormat("ring: bad frame magic 0x%08x at %d", magic, tail));
+      if (length > max_length_)
+        return absl::InvalidArgumentError(absl::StrFormat("ring: frame length %d above the limit %d", length, max_length_));
+      tail += kRingFrameHeader;
+      in_frame_ = true;
+      length_ = length;
+      filled_ = 0;
+      dst_ = begin(length);
+    }
+    // The body, as much as has arrived, in at most two pieces (the ring wraps).
+    while (filled_ < length_ && tail < head) {
+      const uint64_t at = tail & mask;
+      const uint64_t n = std::min<uint64_t>({length_ - filled_, head - tail, capacity_ - at});
+      std::memcpy(dst_ + filled_, ring.data() + at, n);
+      filled_ += static_cast<uint32_t>(n);
+      tail += n;
+    }
+    if (filled_ < length_) break;
+    const uint64_t pad = RingFrameBytes(length_) - kRingFrameHeader - length_;
+    if (head - tail < pad) break;
+    tail += pad;
+    in_frame_ = false;
+    dst_ = nullptr;
+    end();
+  }
+  return tail;
 }
 
 }  // namespace k3::wire

@@ -6,7 +6,8 @@
 //                  width u32 | n_rows u32 | n_pairs u32 |
 //                  row_offsets u32[n_rows + 1] | pairs (expert u32, weight f32)[n_pairs] |
 //                  rows [n_rows, width] of dtype
-//   ExpertReply    request_id u64 | dtype u8 | 3 zero bytes | width u32 | n_rows u32 |
+//   ExpertReply    request_id u64 | received_at_ns u64 | queued_ns u64 | compute_ns u64 |
+//                  dtype u8 | 3 zero bytes | width u32 | n_rows u32 |
 //                  sums [n_rows, width] of dtype (in request row order)
 //   ErrorReply     request_id u64 | code u32 (absl::StatusCode) | message_length u32 | message bytes
 //   Hello          token_length u32 | token bytes: a client's first message on a connection (the
@@ -26,12 +27,13 @@
 #include <variant>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "common/status.h"
 
 namespace k3::wire {
 
 inline constexpr uint32_t kMagic = 0x5044334B;  // "K3DP" in memory order
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;
 inline constexpr size_t kHeaderSize = 16;
 
 enum class MessageType : uint16_t { kExpertRequest = 1, kExpertReply = 2, kErrorReply = 3, kHello = 4 };
@@ -66,8 +68,14 @@ struct ExpertRequest {
 };
 
 // Per-token weighted partial sums, in the order of the request's rows. `sums` is borrowed, as above.
+// The timings say where the expert node spent the request's time: received_at_ns is its
+// CLOCK_MONOTONIC when the request arrived (comparable with the sender's clock on one host only),
+// queued_ns the wait in the batching window, compute_ns the batch's compute and encode.
 struct ExpertReply {
   uint64_t request_id = 0;
+  uint64_t received_at_ns = 0;
+  uint64_t queued_ns = 0;
+  uint64_t compute_ns = 0;
   RowDType dtype = RowDType::kF32;
   uint32_t width = 0;
   uint32_t n_rows = 0;
@@ -132,5 +140,51 @@ absl::StatusOr<Message> Decode(std::span<const std::byte> msg, const DecodeLimit
 // values of dtype as the float span.
 absl::Status ToFloat(RowDType dtype, std::span<const std::byte> src, std::span<float> dst);
 absl::Status FromFloat(std::span<const float> src, RowDType dtype, std::span<std::byte> dst);
+
+// ---- the shared-memory transport (router/shm_transport.h) ----
+//
+// Hello, sent once by a client over the control socket: it names the shared mapping that the
+// client created (two rings, client to server and back, each ring_bytes long).
+//   magic u32 ("K3SH") | version u16 | zero u16 | total_length u32 (all included) | zero u32 |
+//   ring_bytes u64 | name bytes (total_length - 24; "/" then [A-Za-z0-9._-], at most 200)
+inline constexpr uint32_t kShmHelloMagic = 0x48533348;  // "K3SH" in memory order
+inline constexpr size_t kShmHelloFixed = 24;
+inline constexpr uint64_t kShmMinRing = 4096, kShmMaxRing = uint64_t{1} << 30;
+
+struct ShmHello {
+  uint64_t ring_bytes = 0;  // a power of two in [kShmMinRing, kShmMaxRing]
+  std::string name;         // the shm_open name
+};
+absl::StatusOr<std::vector<std::byte>> EncodeShmHello(const ShmHello& m);
+// The hello's total length once its fixed part has arrived (to know how much to read), else 0.
+absl::StatusOr<size_t> ShmHelloLength(std::span<const std::byte> prefix);
+absl::StatusOr<ShmHello> DecodeShmHello(std::span<const std::byte> msg);
+
+// A ring is a byte stream of frames: magic u32 ("K3RF") | length u32 | body, padded to 8 bytes, so
+// that a frame header never wraps. Cursors count bytes since the start and only grow.
+inline constexpr uint32_t kRingFrameMagic = 0x4652334B;  // "K3RF" in memory order
+inline constexpr size_t kRingFrameHeader = 8;
+inline constexpr uint64_t RingFrameBytes(uint32_t length) { return kRingFrameHeader + ((uint64_t{length} + 7) & ~uint64_t{7}); }
+
+// Reads frames out of one ring whose other end may be hostile: cursors and headers are checked, a
+// frame longer than max_length is refused before anything is allocated. A frame's body is copied
+// out as it arrives, so frames longer than the ring pass through it.
+class RingReader {
+ public:
+  RingReader(uint64_t capacity, uint32_t max_length) : capacity_(capacity), max_length_(max_length) {}
+  // Consumes ring[tail, head) (ring.size() == capacity, a power of two). begin(length) returns
+  // where the frame's `length` bytes go, end() runs once they are all there. Returns the new tail,
+  // or InvalidArgument (bad cursors, magic or length), after which the ring is unusable.
+  absl::StatusOr<uint64_t> Read(std::span<const std::byte> ring, uint64_t tail, uint64_t head,
+                                absl::FunctionRef<std::byte*(uint32_t length)> begin,
+                                absl::FunctionRef<void()> end);
+
+ private:
+  const uint64_t capacity_;
+  const uint32_t max_length_;
+  bool in_frame_ = false;
+  uint32_t length_ = 0, filled_ = 0;
+  std::byte* dst_ = nullptr;
+};
 
 }  // namespace k3::wire

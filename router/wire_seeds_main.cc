@@ -2,6 +2,7 @@
 // decoder's fuzzer (scripts/fuzz.sh). Generated rather than checked in, so they follow the format.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -57,6 +58,18 @@ int main(int argc, char** argv) {
   add(ErrorReply{.request_id = 9, .status = absl::UnavailableError("expert node draining")});
   add(Hello{"fuzz-node-token"});  // the token the fuzz target's handshake expects
   add(Hello{""});
+  // The shared-memory transport's hello, and a ring stream of three frames (one longer than the
+  // fuzzer's 256-byte ring).
+  seeds.push_back(*EncodeShmHello({.ring_bytes = 1 << 21, .name = "/k3serve-dp-1-2-3"}));
+  std::vector<std::byte> ring;
+  for (size_t len : {5, 0, 300}) {
+    const size_t at = ring.size();
+    ring.resize(at + RingFrameBytes(static_cast<uint32_t>(len)), std::byte{0x11});
+    const uint32_t l = static_cast<uint32_t>(len);
+    std::memcpy(ring.data() + at, &kRingFrameMagic, 4);
+    std::memcpy(ring.data() + at + 4, &l, 4);
+  }
+  seeds.push_back(ring);
   for (size_t i = 0; i < seeds.size(); ++i) {
     const std::string path = std::string(argv[1]) + "/seed-" + std::to_string(i);
     std::ofstream out(path, std::ios::binary);

@@ -1,5 +1,6 @@
 #include "router/wire.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -234,8 +235,8 @@ TEST(WireMalformed, Header) {
   Put<uint32_t>(m, kMagicAt, 0xdeadbeef);
   ExpectRejected(m, "bad magic 0xdeadbeef");
   m = good;
-  Put<uint16_t>(m, kVersionAt, 2);
-  ExpectRejected(m, "unsupported version 2");
+  Put<uint16_t>(m, kVersionAt, kVersion + 1);
+  ExpectRejected(m, absl::StrCat("unsupported version ", kVersion + 1));
   m = good;
   Put<uint16_t>(m, kTypeAt, 0);
   ExpectRejected(m, "unknown message type 0");
@@ -338,25 +339,25 @@ TEST(WireMalformed, ReplyAndError) {
   auto reply = Encode(
       ExpertReply{.request_id = 1, .dtype = RowDType::kBF16, .width = 2, .n_rows = 2, .sums = f.rows});
   ASSERT_TRUE(reply.ok());
-  // Reply fields: request_id at 16, dtype at 24, width at 28, n_rows at 32.
+  // Reply fields: request_id at 16, timings at 24..47, dtype at 48, width at 52, n_rows at 56.
   Bytes m = *reply;
-  Put<uint32_t>(m, 32, 3);
+  Put<uint32_t>(m, 56, 3);
   auto r = DecodeExpertReply(m);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("ExpertReply: payload size mismatch"), std::string::npos) << r.status();
   m = *reply;
-  Put<uint32_t>(m, 28, 0xffffffffu);
-  Put<uint32_t>(m, 32, 0xffffffffu);
+  Put<uint32_t>(m, 52, 0xffffffffu);
+  Put<uint32_t>(m, 56, 0xffffffffu);
   r = DecodeExpertReply(m);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("sums size overflows"), std::string::npos) << r.status();
   m = *reply;
-  Put<uint8_t>(m, 24, 7);
+  Put<uint8_t>(m, 48, 7);
   r = DecodeExpertReply(m);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("ExpertReply: unknown row dtype 7"), std::string::npos) << r.status();
   m = *reply;
-  Put<uint32_t>(m, 28, 0);
+  Put<uint32_t>(m, 52, 0);
   r = DecodeExpertReply(m);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("ExpertReply: width is 0"), std::string::npos) << r.status();
@@ -463,6 +464,119 @@ TEST(Wire, HelloRoundTripsAndGatesTheConnection) {
   Put<uint32_t>(huge, kHeaderSize, 0xFFFFFFFFu);
   EXPECT_FALSE(DecodeHello(huge).ok());
   EXPECT_FALSE(Encode(Hello{std::string(kMaxTokenBytes + 1, 'x')}).ok());
+}
+
+}  // namespace
+}  // namespace k3::wire
+
+namespace k3::wire {
+namespace {
+
+TEST(ShmHello, RoundTripAndRejects) {
+  auto bytes = EncodeShmHello({.ring_bytes = 1 << 20, .name = "/k3serve-dp-1-2-3"});
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto length = ShmHelloLength(std::span<const std::byte>(*bytes).first(12));
+  ASSERT_TRUE(length.ok());
+  EXPECT_EQ(*length, bytes->size());
+  EXPECT_EQ(*ShmHelloLength(std::span<const std::byte>(*bytes).first(11)), 0u);  // not yet known
+  auto hello = DecodeShmHello(*bytes);
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  EXPECT_EQ(hello->ring_bytes, 1u << 20);
+  EXPECT_EQ(hello->name, "/k3serve-dp-1-2-3");
+
+  auto rejected = [](const ShmHello& h, const std::string& what) {
+    auto b = EncodeShmHello(h);
+    ASSERT_TRUE(b.ok());
+    auto d = DecodeShmHello(*b);
+    ASSERT_FALSE(d.ok()) << what;
+    EXPECT_NE(d.status().message().find(what), std::string::npos) << d.status();
+  };
+  rejected({.ring_bytes = 3 << 20, .name = "/a"}, "ring_bytes");
+  rejected({.ring_bytes = 1024, .name = "/a"}, "ring_bytes");
+  rejected({.ring_bytes = 1 << 20, .name = "a/b"}, "does not start with '/'");
+  rejected({.ring_bytes = 1 << 20, .name = "/../x/y"}, "bad character at 3");
+  std::vector<std::byte> m = *bytes;
+  m.push_back(std::byte{0});
+  EXPECT_FALSE(DecodeShmHello(m).ok());  // length mismatch
+  m = *bytes;
+  m[0] = std::byte{0};
+  EXPECT_FALSE(ShmHelloLength(m).ok());
+  EXPECT_FALSE(EncodeShmHello({.ring_bytes = 1 << 20, .name = "/" + std::string(200, 'a')}).ok());
+}
+
+// A producer for tests: frames into a ring of `capacity` bytes, as the transport writes them.
+struct TestRing {
+  explicit TestRing(uint64_t capacity) : data(capacity) {}
+  // Appends up to `room` bytes of the frame stream `stream` from `pos`.
+  void Push(const std::vector<std::byte>& stream, size_t& pos, size_t max) {
+    const size_t n = std::min<size_t>({max, stream.size() - pos, data.size() - (head - tail)});
+    for (size_t i = 0; i < n; ++i) data[(head + i) % data.size()] = stream[pos + i];
+    head += n;
+    pos += n;
+  }
+  std::vector<std::byte> data;
+  uint64_t head = 0, tail = 0;
+};
+
+std::vector<std::byte> Frames(const std::vector<std::vector<std::byte>>& bodies) {
+  std::vector<std::byte> s;
+  for (const auto& b : bodies) {
+    const uint32_t len = static_cast<uint32_t>(b.size());
+    const size_t at = s.size();
+    s.resize(at + RingFrameBytes(len));
+    std::memcpy(s.data() + at, &kRingFrameMagic, 4);
+    std::memcpy(s.data() + at + 4, &len, 4);
+    if (len != 0) std::memcpy(s.data() + at + 8, b.data(), len);
+  }
+  return s;
+}
+
+TEST(RingReader, FramesWrapAndStreamThroughASmallRing) {
+  std::vector<std::vector<std::byte>> bodies;
+  for (size_t n : {0, 1, 7, 8, 9, 63, 64, 200, 1000, 3})  // 1000 > the ring's 64 bytes
+    bodies.emplace_back(n, std::byte{static_cast<unsigned char>(n)});
+  const auto stream = Frames(bodies);
+  TestRing ring(64);
+  RingReader reader(64, 1 << 20);
+  std::vector<std::vector<std::byte>> got;
+  std::vector<std::byte> cur;
+  size_t pos = 0;
+  for (int step = 0; pos < stream.size() || ring.tail < ring.head; ++step) {
+    ring.Push(stream, pos, 1 + step % 13);
+    auto tail = reader.Read(
+        ring.data, ring.tail, ring.head,
+        [&](uint32_t len) {
+          cur.assign(len, std::byte{0});
+          return cur.data();
+        },
+        [&] { got.push_back(cur); });
+    ASSERT_TRUE(tail.ok()) << tail.status();
+    ring.tail = *tail;
+    ASSERT_LT(step, 100000);
+  }
+  EXPECT_EQ(got, bodies);
+}
+
+TEST(RingReader, RejectsHostileCursorsAndHeaders) {
+  RingReader reader(64, 100);
+  std::vector<std::byte> ring(64);
+  auto read = [&](uint64_t tail, uint64_t head) {
+    return reader.Read(ring, tail, head, [](uint32_t) -> std::byte* { return nullptr; }, [] {});
+  };
+  EXPECT_FALSE(read(8, 0).ok());   // head behind tail
+  EXPECT_FALSE(read(0, 65).ok());  // more than the capacity unread
+  std::memcpy(ring.data(), "XXXX", 4);
+  auto s = read(0, 8);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("bad frame magic"), std::string::npos) << s.status();
+  const uint32_t big = 101;
+  std::memcpy(ring.data(), &kRingFrameMagic, 4);
+  std::memcpy(ring.data() + 4, &big, 4);
+  RingReader fresh(64, 100);
+  s = fresh.Read(ring, 0, 8, [](uint32_t) -> std::byte* { return nullptr; }, [] {});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("above the limit 100"), std::string::npos) << s.status();
+  EXPECT_FALSE(RingReader(64, 100).Read(std::vector<std::byte>(32), 0, 0, [](uint32_t) -> std::byte* { return nullptr; }, [] {}).ok());
 }
 
 }  // namespace

@@ -83,28 +83,40 @@ absl::StatusOr<Figures> InProcess(const BenchOptions& o) {
   return Summarize(arrivals, start);
 }
 
-}  // namespace
+// The dispatch metrics of every node, summed: cumulative, so a run's figures are a difference.
+struct DispatchMetrics {
+  double rt_sum = 0, rt_count = 0, batch_sum = 0, batch_count = 0;
+  double stage_sum[6] = {}, stage_count = 0;
+};
+constexpr const char* kStages[6] = {"pack", "out", "window", "compute", "back", "unpack"};
 
-absl::Status RunClusterBench(const BenchOptions& o) {
-  std::printf("bench: %d streams, prompt %d tokens, %d new tokens each, greedy\n", o.streams, o.prompt_len, o.max_tokens);
-  K3_ASSIGN_OR_RETURN(Figures local, InProcess(o));
+absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster) {
+  DispatchMetrics d;
+  for (int port : cluster.attention_metrics_ports()) {
+    K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));
+    d.rt_sum += MetricValue(m, "k3serve_dispatch_seconds_sum");
+    d.rt_count += MetricValue(m, "k3serve_dispatch_seconds_count");
+    for (int i = 0; i < 6; ++i)
+      d.stage_sum[i] += MetricValue(m, "k3serve_dispatch_stage_seconds_sum", absl::StrCat("stage=\"", kStages[i], "\""));
+    d.stage_count += MetricValue(m, "k3serve_dispatch_stage_seconds_count", "stage=\"pack\"");
+  }
+  for (int port : cluster.expert_metrics_ports()) {
+    K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));
+    d.batch_sum += MetricValue(m, "k3serve_expert_batch_seconds_sum");
+    d.batch_count += MetricValue(m, "k3serve_expert_batch_seconds_count");
+  }
+  return d;
+}
 
-  ClusterOptions co;
-  co.bin_dir = o.bin_dir;
-  co.model = o.model;
-  co.attention = o.attention;
-  co.experts = o.experts;
-  co.attention_args = {absl::StrCat("--max-running=", o.streams)};
-  K3_ASSIGN_OR_RETURN(auto cluster, LocalCluster::Start(co));
-  K3_ASSIGN_OR_RETURN(auto config, LoadModelConfig(o.model));
-  const auto prompts = Prompts(o.streams, o.prompt_len, config.vocab_size);
+absl::StatusOr<Figures> Disaggregated(const BenchOptions& o, LocalCluster& cluster, int64_t vocab) {
+  const auto prompts = Prompts(o.streams, o.prompt_len, vocab);
   std::vector<std::vector<Clock::time_point>> arrivals(o.streams);
   std::vector<absl::Status> status(o.streams);
   const auto start = Clock::now();
   std::vector<std::thread> threads;
   for (int i = 0; i < o.streams; ++i)
     threads.emplace_back([&, i] {
-      InferenceClient client(cluster->attention_addresses()[i % cluster->attention_addresses().size()]);
+      InferenceClient client(cluster.attention_addresses()[i % cluster.attention_addresses().size()]);
       SamplingParams sp;
       sp.max_new_tokens = o.max_tokens;
       sp.ignore_eos = true;
@@ -115,33 +127,79 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     });
   for (auto& t : threads) t.join();
   for (const auto& s : status) K3_RETURN_IF_ERROR(s);
-  const Figures remote = Summarize(arrivals, start);
+  return Summarize(arrivals, start);
+}
 
-  // Dispatch cost per MoE layer, from the nodes' own metrics.
-  double rt_sum = 0, rt_count = 0, ex_sum = 0, ex_count = 0;
-  for (int port : cluster->attention_metrics_ports()) {
-    K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));
-    rt_sum += MetricValue(m, "k3serve_dispatch_seconds_sum");
-    rt_count += MetricValue(m, "k3serve_dispatch_seconds_count");
+struct Range {
+  double lo = 0, hi = 0;
+  int n = 0;
+  void Add(double v) {
+    lo = n == 0 ? v : std::min(lo, v);
+    hi = n == 0 ? v : std::max(hi, v);
+    ++n;
   }
-  for (int port : cluster->expert_metrics_ports()) {
-    K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));
-    ex_sum += MetricValue(m, "k3serve_expert_batch_seconds_sum");
-    ex_count += MetricValue(m, "k3serve_expert_batch_seconds_count");
+};
+
+}  // namespace
+
+absl::Status RunClusterBench(const BenchOptions& o) {
+  std::printf("bench: %d streams, prompt %d tokens, %d new tokens each, greedy; data plane %s; %d repeat(s)\n", o.streams,
+              o.prompt_len, o.max_tokens, o.data_plane.c_str(), o.repeats);
+  ClusterOptions co;
+  co.bin_dir = o.bin_dir;
+  co.model = o.model;
+  co.attention = o.attention;
+  co.experts = o.experts;
+  co.attention_args = {absl::StrCat("--max-running=", o.streams)};
+  co.expert_args = {"--data-plane=" + o.data_plane};
+  K3_ASSIGN_OR_RETURN(auto cluster, LocalCluster::Start(co));
+  K3_ASSIGN_OR_RETURN(auto config, LoadModelConfig(o.model));
+  const std::string remote_name = absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E");
+
+  Range ratio, overhead, local_tok, remote_tok;
+  for (int rep = 0; rep < std::max(1, o.repeats); ++rep) {
+    // Alternating, so that the machine's load changes hit both alike.
+    K3_ASSIGN_OR_RETURN(Figures local, InProcess(o));
+    K3_ASSIGN_OR_RETURN(DispatchMetrics before, ReadDispatchMetrics(*cluster));
+    K3_ASSIGN_OR_RETURN(Figures remote, Disaggregated(o, *cluster, config.vocab_size));
+    K3_ASSIGN_OR_RETURN(DispatchMetrics after, ReadDispatchMetrics(*cluster));
+    const double rt_n = after.rt_count - before.rt_count, batch_n = after.batch_count - before.batch_count;
+    const double stage_n = after.stage_count - before.stage_count;
+    const double rt_us = rt_n > 0 ? 1e6 * (after.rt_sum - before.rt_sum) / rt_n : 0.0;
+    const double batch_us = batch_n > 0 ? 1e6 * (after.batch_sum - before.batch_sum) / batch_n : 0.0;
+    double stage_us[6] = {};
+    for (int i = 0; i < 6; ++i)
+      stage_us[i] = stage_n > 0 ? 1e6 * (after.stage_sum[i] - before.stage_sum[i]) / stage_n : 0.0;
+    const double r = local.decode_tok_s > 0 ? remote.decode_tok_s / local.decode_tok_s : 0.0;
+
+    std::printf("\n%s%-22s %14s %12s %12s %12s\n", o.repeats > 1 ? absl::StrCat("[", rep + 1, "] ").c_str() : "", "",
+                "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms");
+    std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n", "in-process engine", local.decode_tok_s, local.itl_p50_ms,
+                local.itl_p99_ms, local.ttft_p50_ms);
+    std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n", remote_name.c_str(), remote.decode_tok_s, remote.itl_p50_ms,
+                remote.itl_p99_ms, remote.ttft_p50_ms);
+    std::printf("ratio disaggregated / in-process decode tok/s: %.3f\n", r);
+    std::printf("MoE dispatch round trip (one expert node, one layer): mean %.1f us over %.0f dispatches\n", rt_us, rt_n);
+    std::printf("expert compute per batch: mean %.1f us over %.0f batches\n", batch_us, batch_n);
+    std::printf("per MoE layer and expert node, mean us:");
+    double total = 0;
+    for (int i = 0; i < 6; ++i) {
+      std::printf(" %s %.1f%s", kStages[i], stage_us[i], i < 5 ? " |" : "");
+      total += stage_us[i];
+    }
+    std::printf("\n  = %.1f us, of which expert compute %.1f: overhead (round trip minus expert compute) %.1f us\n", total,
+                stage_us[3], total - stage_us[3]);
+    ratio.Add(r);
+    overhead.Add(total - stage_us[3]);
+    local_tok.Add(local.decode_tok_s);
+    remote_tok.Add(remote.decode_tok_s);
   }
-  std::printf("\n%-22s %14s %12s %12s %12s\n", "", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms");
-  std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n", "in-process engine", local.decode_tok_s, local.itl_p50_ms,
-              local.itl_p99_ms, local.ttft_p50_ms);
-  std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n",
-              absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E").c_str(), remote.decode_tok_s,
-              remote.itl_p50_ms, remote.itl_p99_ms, remote.ttft_p50_ms);
-  std::printf("ratio disaggregated / in-process decode tok/s: %.3f\n",
-              local.decode_tok_s > 0 ? remote.decode_tok_s / local.decode_tok_s : 0.0);
-  std::printf("MoE dispatch round trip (one expert node, one layer): mean %.1f us over %.0f dispatches\n",
-              rt_count > 0 ? 1e6 * rt_sum / rt_count : 0.0, rt_count);
-  std::printf("expert compute per batch: mean %.1f us over %.0f batches; the rest of the round trip is transport,\n"
-              "codec and batching window\n",
-              ex_count > 0 ? 1e6 * ex_sum / ex_count : 0.0, ex_count);
+  if (o.repeats > 1) {
+    std::printf("\nover %d repeats (min - max): in-process %.1f - %.1f tok/s, %s %.1f - %.1f tok/s, ratio %.3f - %.3f, "
+                "overhead %.1f - %.1f us\n",
+                ratio.n, local_tok.lo, local_tok.hi, remote_name.c_str(), remote_tok.lo, remote_tok.hi, ratio.lo, ratio.hi,
+                overhead.lo, overhead.hi);
+  }
   return absl::OkStatus();
 }
 

@@ -16,6 +16,8 @@ struct BenchOptions {
   int max_tokens = 64;
   int attention = 1;
   int experts = 2;
+  std::string data_plane = "shm";  // the expert nodes' --data-plane
+  int repeats = 1;                 // in-process and disaggregated runs, alternating, in one cluster
 };
 
 absl::Status RunClusterBench(const BenchOptions& options);

@@ -233,7 +233,9 @@ absl::StatusOr<std::unique_ptr<Process>> LocalCluster::StartNode(const std::stri
 }
 
 absl::Status LocalCluster::AddExpert() {
-  std::vector<std::string> extra = options_.expert_args;
+  // Every node is on this host: shared memory (expert_args may say --data-plane=ucx instead).
+  std::vector<std::string> extra = {"--data-plane=shm"};
+  extra.insert(extra.end(), options_.expert_args.begin(), options_.expert_args.end());
   extra.push_back("--grpc-port=0");
   extra.push_back("--data-port=0");
   std::vector<std::string> ready;

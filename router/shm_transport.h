@@ -1,0 +1,42 @@
+// The shared-memory implementation of the data-plane transport, for processes on one host.
+//
+// Each connection is a mapping of its own (shm_open, created by the client and unlinked as soon as
+// the server has mapped it) holding two single-producer rings, client to server and back; messages
+// are copied into the ring by the sending thread itself and out of it by the receiver's progress
+// thread (router/wire.h's RingReader, which trusts nothing the peer wrote). Beside the mapping a TCP
+// connection to the server's port carries the hello and doorbell bytes, and is how a dead peer is
+// noticed: the kernel closes a killed process's sockets, so the other side reads EOF within
+// milliseconds, busy or idle.
+//
+// Addresses are "shm://host:port" (the "shm://" is optional when connecting). The server must be on
+// this host and share /dev/shm with the client; otherwise it refuses the hello and the client
+// reports UNAVAILABLE. Across hosts use the UCX transport (router/ucx_transport.h), which takes
+// UCX_TLS / UCX_NET_DEVICES from the environment; NewSchemeTransport picks per address.
+//
+// Threading as router/transport.h says; one progress thread per transport polls the rings while
+// busy and sleeps in poll() on the sockets when idle (the sender rings the doorbell only then).
+#pragma once
+
+#include <chrono>
+#include <memory>
+
+#include "router/transport.h"
+
+namespace k3::dataplane {
+
+struct ShmOptions {
+  size_t ring_bytes = 2 << 20;  // per direction; a power of two; longer messages stream through
+  uint32_t max_message = 1u << 30;
+  // As UcxOptions::spin: poll this long after the last piece of work before sleeping.
+  std::chrono::microseconds spin{200};
+  std::chrono::milliseconds connect_timeout{5000};
+};
+
+absl::StatusOr<std::unique_ptr<Transport>> NewShmTransport(const ShmOptions& options = {});
+
+inline constexpr char kShmScheme[] = "shm://";
+
+// Addresses that start with "shm://" go to `shm`, the others to `other`; both are owned.
+std::unique_ptr<Transport> NewSchemeTransport(std::unique_ptr<Transport> shm, std::unique_ptr<Transport> other);
+
+}  // namespace k3::dataplane
