@@ -113,6 +113,7 @@ grpc::Status ExpertNode::Status(grpc::ServerContext*, const v1::StatusRequest*, 
   resp->set_rows_processed(rows_processed_);
   resp->set_batches_processed(batches_processed_);
   resp->set_draining(draining_);
+  resp->set_busy_seconds(m_busy_seconds_->Value());
   return grpc::Status::OK;
 }
 

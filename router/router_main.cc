@@ -11,6 +11,7 @@
 #include "common/http_server.h"
 #include "common/service.h"
 #include "common/signals.h"
+#include "router/gateway_board.h"
 #include "router/router_service.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (only config.json is read)");
@@ -30,7 +31,8 @@ int main(int argc, char** argv) {
   }
   k3::metrics::Registry registry;
   k3::router::RouterService service(*config, registry);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
+  k3::router::AttentionBoardService board;
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service, &board});
   if (!grpc.ok()) {
     std::fprintf(stderr, "k3serve-router: %s\n", std::string(grpc.status().message()).c_str());
     return 2;

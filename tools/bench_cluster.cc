@@ -95,27 +95,34 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   co.attention = o.attention;
   co.experts = o.experts;
   co.attention_args = {absl::StrCat("--max-running=", o.streams)};
+  co.gateway = true;
   K3_ASSIGN_OR_RETURN(auto cluster, LocalCluster::Start(co));
   K3_ASSIGN_OR_RETURN(auto config, LoadModelConfig(o.model));
   const auto prompts = Prompts(o.streams, o.prompt_len, config.vocab_size);
-  std::vector<std::vector<Clock::time_point>> arrivals(o.streams);
-  std::vector<absl::Status> status(o.streams);
-  const auto start = Clock::now();
-  std::vector<std::thread> threads;
-  for (int i = 0; i < o.streams; ++i)
-    threads.emplace_back([&, i] {
-      InferenceClient client(cluster->attention_addresses()[i % cluster->attention_addresses().size()]);
-      SamplingParams sp;
-      sp.max_new_tokens = o.max_tokens;
-      sp.ignore_eos = true;
-      auto r = client.Generate(prompts[i], sp, absl::Seconds(600), [&](const std::vector<int32_t>& chunk) {
-        for (size_t t = 0; t < chunk.size(); ++t) arrivals[i].push_back(Clock::now());
+  // The same streams, straight to the attention nodes and then through the gateway.
+  auto run = [&](bool via_gateway) -> absl::StatusOr<Figures> {
+    std::vector<std::vector<Clock::time_point>> arrivals(o.streams);
+    std::vector<absl::Status> status(o.streams);
+    const auto start = Clock::now();
+    std::vector<std::thread> threads;
+    for (int i = 0; i < o.streams; ++i)
+      threads.emplace_back([&, i] {
+        InferenceClient client(via_gateway ? cluster->gateway_address()
+                                           : cluster->attention_addresses()[i % cluster->attention_addresses().size()]);
+        SamplingParams sp;
+        sp.max_new_tokens = o.max_tokens;
+        sp.ignore_eos = true;
+        auto r = client.Generate(prompts[i], sp, absl::Seconds(600), [&](const std::vector<int32_t>& chunk) {
+          for (size_t t = 0; t < chunk.size(); ++t) arrivals[i].push_back(Clock::now());
+        });
+        status[i] = r.status();
       });
-      status[i] = r.status();
-    });
-  for (auto& t : threads) t.join();
-  for (const auto& s : status) K3_RETURN_IF_ERROR(s);
-  const Figures remote = Summarize(arrivals, start);
+    for (auto& t : threads) t.join();
+    for (const auto& s : status) K3_RETURN_IF_ERROR(s);
+    return Summarize(arrivals, start);
+  };
+  K3_ASSIGN_OR_RETURN(const Figures remote, run(false));
+  K3_ASSIGN_OR_RETURN(const Figures gateway, run(true));
 
   // Dispatch cost per MoE layer, from the nodes' own metrics.
   double rt_sum = 0, rt_count = 0, ex_sum = 0, ex_count = 0;
@@ -135,8 +142,13 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n",
               absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E").c_str(), remote.decode_tok_s,
               remote.itl_p50_ms, remote.itl_p99_ms, remote.ttft_p50_ms);
+  std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n", "through the gateway", gateway.decode_tok_s, gateway.itl_p50_ms,
+              gateway.itl_p99_ms, gateway.ttft_p50_ms);
   std::printf("ratio disaggregated / in-process decode tok/s: %.3f\n",
               local.decode_tok_s > 0 ? remote.decode_tok_s / local.decode_tok_s : 0.0);
+  std::printf("gateway / direct: decode tok/s %.3f, ITL p50 %.3f\n",
+              remote.decode_tok_s > 0 ? gateway.decode_tok_s / remote.decode_tok_s : 0.0,
+              remote.itl_p50_ms > 0 ? gateway.itl_p50_ms / remote.itl_p50_ms : 0.0);
   std::printf("MoE dispatch round trip (one expert node, one layer): mean %.1f us over %.0f dispatches\n",
               rt_count > 0 ? 1e6 * rt_sum / rt_count : 0.0, rt_count);
   std::printf("expert compute per batch: mean %.1f us over %.0f batches; the rest of the round trip is transport,\n"

@@ -1,4 +1,5 @@
-// A local k3serve cluster of real processes on loopback: router, expert nodes, attention nodes.
+// A local k3serve cluster of real processes on loopback: router, expert nodes, attention nodes,
+// and optionally the gateway in front and the orchestrator that owns the nodes.
 // Used by `k3serve up`, `k3serve bench` and the integration tests.
 #pragma once
 
@@ -11,6 +12,7 @@
 
 #include "absl/time/time.h"
 #include "common/status.h"
+#include "k3serve/v1/orchestrator.pb.h"
 
 namespace k3 {
 
@@ -47,6 +49,14 @@ struct ClusterOptions {
   int attention_port = 0;  // first attention node's gRPC port (the next ones +1 each); 0: pick
   std::vector<std::string> attention_args;  // extra flags
   std::vector<std::string> expert_args;
+  bool gateway = false;       // a k3serve-gateway in front of the attention nodes
+  int gateway_port = 0;       // 0: pick
+  std::vector<std::string> gateway_args;
+  // The nodes are the orchestrator's (local backend: it spawns, drains and restarts them); implies
+  // the gateway.
+  bool orchestrated = false;
+  int orchestrator_port = 0;  // 0: pick
+  std::vector<std::string> orchestrator_args;  // extra flags (--interval, --cooldown, ...)
 };
 
 class LocalCluster {
@@ -67,6 +77,12 @@ class LocalCluster {
   Process& attention(size_t i) { return *attention_.at(i); }
   size_t num_experts() const { return experts_.size(); }
   const std::string& work_dir() const { return options_.work_dir; }
+  const std::string& gateway_address() const { return gateway_address_; }
+  int gateway_metrics_port() const { return gateway_metrics_; }
+  const std::string& orchestrator_address() const { return orchestrator_address_; }
+  int orchestrator_metrics_port() const { return orchestrator_metrics_; }
+  Process& gateway() { return *gateway_; }
+  Process& orchestrator() { return *orchestrator_; }
 
   absl::Status AddExpert();
   // Kills the router (SIGKILL) and starts a new one on the same port.
@@ -77,6 +93,8 @@ class LocalCluster {
  private:
   explicit LocalCluster(ClusterOptions options) : options_(std::move(options)) {}
   absl::Status StartRouter(int port);
+  absl::Status StartGateway();
+  absl::Status StartOrchestrator();
   absl::StatusOr<std::unique_ptr<Process>> StartNode(const std::string& kind, int index, const std::vector<std::string>& extra,
                                                      std::vector<std::string>* ready_fields);
 
@@ -90,7 +108,23 @@ class LocalCluster {
   std::vector<int> attention_metrics_;
   std::vector<int> expert_metrics_;
   int next_index_ = 0;
+  std::unique_ptr<Process> gateway_;
+  std::string gateway_address_;
+  int gateway_metrics_ = -1;
+  std::unique_ptr<Process> orchestrator_;
+  std::string orchestrator_address_;
+  int orchestrator_metrics_ = -1;
 };
+
+// The orchestrator's pools now.
+absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator);
+// Sets the targets given and waits until the pools have reached them (ready, placed, no drain
+// left); fails with the backend's error if one persists, or at the timeout with where they are.
+absl::StatusOr<k3serve::v1::Pools> ScalePools(const std::string& orchestrator, std::optional<int> attention,
+                                              std::optional<int> experts, absl::Duration timeout);
+// Waits (without setting targets) until the given pools are at these sizes.
+absl::StatusOr<k3serve::v1::Pools> WaitPools(const std::string& orchestrator, std::optional<int> attention,
+                                             std::optional<int> experts, absl::Duration timeout);
 
 // grpc.health.v1 Check of the server's overall health ("").
 absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout);
