@@ -31,10 +31,15 @@ class LoadLoop {
           sp.max_new_tokens = static_cast<int>(p.expected.size());
           sp.ignore_eos = true;
           auto r = client.Generate(p.ids, sp, absl::Seconds(60));
-          std::lock_guard<std::mutex> lock(mu_);
           if (!r.ok()) {
+            std::lock_guard<std::mutex> lock(mu_);
             failures_.push_back(std::string(r.status().message()));
-          } else if (r->tokens != p.expected) {
+            failed_at_.push_back(absl::Now());
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a client backs off
+            continue;
+          }
+          std::lock_guard<std::mutex> lock(mu_);
+          if (r->tokens != p.expected) {
             ++mismatches_;
           } else {
             ++ok_;
@@ -60,6 +65,13 @@ class LoadLoop {
     std::lock_guard<std::mutex> lock(mu_);
     return failures_;
   }
+  // Failures that ended in [from, to).
+  int failures_between(absl::Time from, absl::Time to) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int n = 0;
+    for (absl::Time t : failed_at_) n += t >= from && t < to;
+    return n;
+  }
 
  private:
   const std::vector<Prompt> prompts_;
@@ -68,6 +80,7 @@ class LoadLoop {
   int ok_ = 0;
   int mismatches_ = 0;
   std::vector<std::string> failures_;
+  std::vector<absl::Time> failed_at_;
   std::vector<std::thread> threads_;
 };
 
