@@ -1,5 +1,7 @@
 #include "attention_service/engine_loop.h"
 
+#include "absl/time/clock.h"
+
 namespace k3 {
 
 std::vector<StepOutput> TokenStream::Next(std::chrono::milliseconds timeout) {
@@ -84,8 +86,12 @@ void EngineLoop::Run() {
         streams_.erase(id);
       }
     }
+    absl::Duration took;
     if (engine_.HasWork()) {
-      for (StepOutput& o : engine_.Step()) {
+      const absl::Time t0 = absl::Now();
+      std::vector<StepOutput> outputs = engine_.Step();
+      took = absl::Now() - t0;
+      for (StepOutput& o : outputs) {
         auto it = streams_.find(o.id);
         if (it == streams_.end()) continue;
         const bool finished = o.finish != FinishReason::kNone;
@@ -93,7 +99,7 @@ void EngineLoop::Run() {
         if (finished) streams_.erase(it);
       }
     }
-    if (on_step_) on_step_(engine_.Stats());
+    if (on_step_) on_step_(engine_.Stats(), took);
   }
 }
 

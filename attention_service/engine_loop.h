@@ -12,6 +12,7 @@
 #include <thread>
 #include <variant>
 
+#include "absl/time/time.h"
 #include "engine/engine.h"
 
 namespace k3 {
@@ -31,8 +32,9 @@ class TokenStream {
 
 class EngineLoop {
  public:
-  // Called on the engine thread after every step (metrics).
-  using OnStep = std::function<void(const EngineStats&)>;
+  // Called on the engine thread after every iteration (metrics); `step` is the engine step's wall
+  // time (zero when the iteration only took commands).
+  using OnStep = std::function<void(const EngineStats&, absl::Duration step)>;
 
   EngineLoop(Backend& backend, EngineOptions options, OnStep on_step);
   ~EngineLoop();

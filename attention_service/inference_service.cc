@@ -76,6 +76,10 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   p.ignore_eos = s.ignore_eos();
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) p.deadline = absl::FromChrono(ctx->deadline());
   if (!options_.ready()) return Finish({grpc::StatusCode::UNAVAILABLE, "experts are not placed yet (no complete placement)"});
+  if (draining_) {
+    ++refused_draining_;
+    return Finish({grpc::StatusCode::UNAVAILABLE, "attention node is draining (takes no new requests)"});
+  }
 
   const uint64_t id = next_id_++;
   if (!req->request_id().empty()) {
@@ -94,10 +98,27 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
     return Finish(ToGrpc(stream.status()));
   }
   m_prompt_tokens_->Inc(req->prompt_ids_size());
+  // Outstanding work, for the gateway's choice of node: what is left of this request.
+  int64_t outstanding = req->prompt_ids_size() + req->max_tokens();
+  outstanding_tokens_ += outstanding;
+  ++inflight_;
+  struct Live {
+    InferenceService* s;
+    int64_t& outstanding;
+    ~Live() {
+      s->outstanding_tokens_ -= outstanding;
+      --s->inflight_;
+    }
+  } live{this, outstanding};
 
   absl::Time last = arrival;
   int generated = 0;
   while (true) {
+    if (end_remaining_) {  // the drain timed out
+      loop->Abort(id);
+      release_name();
+      return Finish({grpc::StatusCode::UNAVAILABLE, end_message_});
+    }
     if (ctx->IsCancelled()) {  // client cancel or deadline: free the sequence
       loop->Abort(id);
       release_name();
@@ -108,7 +129,20 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       const absl::Time now = absl::Now();
       for (int32_t t : o.tokens) {
         resp.add_token_ids(t);
-        (generated++ == 0 ? m_ttft_ : m_itl_)->Observe(absl::ToDoubleSeconds(now - last));
+        const double gap = absl::ToDoubleSeconds(now - last);
+        if (generated++ == 0) {
+          m_ttft_->Observe(gap);
+          const int64_t prefilled = req->prompt_ids_size();
+          outstanding -= prefilled;
+          outstanding_tokens_ -= prefilled;
+        } else {
+          m_itl_->Observe(gap);
+          std::lock_guard<std::mutex> lock(itl_mu_);
+          itl_sum_ += gap;
+          ++itl_count_;
+        }
+        --outstanding;
+        --outstanding_tokens_;
         last = now;
       }
       m_generated_tokens_->Inc(static_cast<double>(o.tokens.size()));
@@ -138,6 +172,21 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
       }
     }
   }
+}
+
+void InferenceService::SetDraining() { draining_ = true; }
+
+void InferenceService::EndRemaining(std::string message) {
+  end_message_ = std::move(message);
+  end_remaining_ = true;
+}
+
+double InferenceService::TakeMeanItl() {
+  std::lock_guard<std::mutex> lock(itl_mu_);
+  const double mean = itl_count_ > 0 ? itl_sum_ / itl_count_ : 0.0;
+  itl_sum_ = 0;
+  itl_count_ = 0;
+  return mean;
 }
 
 grpc::Status InferenceService::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) {

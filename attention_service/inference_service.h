@@ -36,6 +36,19 @@ class InferenceService final : public v1::Inference::Service {
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
 
+  // Drain: new requests get UNAVAILABLE; those in flight go on.
+  void SetDraining();
+  // The end of a drain: the streams still open end with UNAVAILABLE and this message.
+  void EndRemaining(std::string message);
+  // Requests refused because of the drain.
+  int64_t refused_draining() const { return refused_draining_.load(); }
+  // Generate streams open now.
+  int64_t inflight() const { return inflight_.load(); }
+  // Prompt tokens and tokens still to generate of the live requests.
+  int64_t outstanding_tokens() const { return outstanding_tokens_.load(); }
+  // Mean inter-token latency since the previous call (0 if no token followed another).
+  double TakeMeanItl();
+
  private:
   grpc::Status Finish(const grpc::Status& s);
 
@@ -45,6 +58,15 @@ class InferenceService final : public v1::Inference::Service {
   std::atomic<uint64_t> next_id_{1};
   std::mutex mu_;
   std::map<std::string, uint64_t> by_request_id_;  // live requests that named themselves
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> refused_draining_{0};
+  std::atomic<bool> end_remaining_{false};
+  std::string end_message_;  // set before end_remaining_
+  std::atomic<int64_t> inflight_{0};
+  std::atomic<int64_t> outstanding_tokens_{0};
+  std::mutex itl_mu_;
+  double itl_sum_ = 0;
+  int64_t itl_count_ = 0;
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Histogram* m_ttft_;

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <functional>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -51,6 +52,9 @@ ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with
 ABSL_FLAG(std::string, wire_dtype, "auto",
           "rows and partial sums on the data plane: f32, bf16, or auto (bf16 for a bf16 checkpoint on --device cuda)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once listening");
+ABSL_FLAG(double, drain_timeout, 30.0, "on SIGTERM or POST /admin/drain: seconds the requests in flight get to finish");
+ABSL_FLAG(double, drain_grace, 0.5, "on a drain: seconds between NOT_SERVING and refusing new requests (gateways see the change)");
+ABSL_FLAG(int, load_report_ms, 250, "how often this node's load goes to the router (gateways and the orchestrator read it)");
 
 namespace {
 
@@ -117,6 +121,66 @@ class Reporter {
   std::condition_variable cv_;
   bool stop_ = false;
   std::deque<std::pair<std::string, std::string>> failures_;
+  std::thread thread_;
+};
+
+// Times the engine's waits for the experts: a step's wall time minus this is its attention time.
+class WaitTimingExecutor : public k3::ExpertExecutor {
+ public:
+  explicit WaitTimingExecutor(k3::ExpertExecutor& inner) : inner_(inner) {}
+  absl::StatusOr<uint64_t> Submit(const k3::ExpertRequest& r) override { return inner_.Submit(r); }
+  absl::Status Wait(uint64_t ticket, float* out) override {
+    const absl::Time t0 = absl::Now();
+    absl::Status s = inner_.Wait(ticket, out);
+    nanos_ += absl::ToInt64Nanoseconds(absl::Now() - t0);
+    return s;
+  }
+  double TakeSeconds() { return static_cast<double>(nanos_.exchange(0)) * 1e-9; }
+
+ private:
+  k3::ExpertExecutor& inner_;
+  std::atomic<int64_t> nanos_{0};
+};
+
+// This node's load on the router's board, every interval until destroyed.
+class LoadReporter {
+ public:
+  using Fill = std::function<void(k3::v1::AttentionLoad*)>;
+  LoadReporter(const std::string& router, absl::Duration interval, Fill fill)
+      : stub_(k3::v1::AttentionBoard::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()))),
+        interval_(interval), fill_(std::move(fill)), thread_([this] { Run(); }) {}
+  ~LoadReporter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // Reports now (a drain must show before the next interval).
+  void Kick() { cv_.notify_all(); }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      k3::v1::AttentionLoad load;
+      fill_(&load);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      k3::v1::ReportAttentionLoadResponse resp;
+      stub_->ReportAttentionLoad(&ctx, load, &resp);
+      lock.lock();
+      cv_.wait_for(lock, absl::ToChronoNanoseconds(interval_));
+    }
+  }
+  std::unique_ptr<k3::v1::AttentionBoard::Stub> stub_;
+  const absl::Duration interval_;
+  const Fill fill_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
   std::thread thread_;
 };
 
@@ -258,6 +322,7 @@ int main(int argc, char** argv) {
   };
   k3::router::Dispatcher dispatcher(config, *transport, dopt);
   k3::router::LoadCountingExecutor counted(dispatcher, config);
+  WaitTimingExecutor timed(counted);
 
   auto* placement_version = &k3::metrics::Must(registry.AddGauge("k3serve_placement_version", "Expert placement in use."))->WithLabels();
   k3::v1::RegisterNodeRequest self;
@@ -284,24 +349,54 @@ int main(int argc, char** argv) {
   // On the GPU the routed experts' rows go through the host to the dispatcher (no ping-pong yet).
   std::unique_ptr<k3::cuda::HostExpertBridge> bridge;
   if (gpu_model) {
-    bridge = std::make_unique<k3::cuda::HostExpertBridge>(counted);
+    bridge = std::make_unique<k3::cuda::HostExpertBridge>(timed);
     gpu_model->SetExpertExecutor(bridge.get());
     backend = std::make_unique<k3::cuda::CudaBackend>(*gpu_model);
   }
 #endif
-  if (cpu_model) backend = std::make_unique<k3::CpuBackend>(*cpu_model, counted, absl::GetFlag(FLAGS_ping_pong));
-  k3::EngineLoop loop(*backend, eopt, [&](const k3::EngineStats& s) {
+  if (cpu_model) backend = std::make_unique<k3::CpuBackend>(*cpu_model, timed, absl::GetFlag(FLAGS_ping_pong));
+  std::atomic<int64_t> stat_running{0}, stat_waiting{0}, stat_state_bytes{0}, steps{0}, step_nanos{0};
+  k3::EngineLoop loop(*backend, eopt, [&](const k3::EngineStats& s, absl::Duration took) {
     running->Set(static_cast<double>(s.running));
     waiting->Set(static_cast<double>(s.waiting));
     state_bytes->Set(static_cast<double>(s.state_bytes));
+    stat_running = s.running;
+    stat_waiting = s.waiting;
+    stat_state_bytes = s.state_bytes;
+    if (took > absl::ZeroDuration()) {
+      ++steps;
+      step_nanos += absl::ToInt64Nanoseconds(took);
+    }
   });
   experts_ready = &dispatcher;
   service.Attach(config, loop);
   std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),
                model_name.c_str(), grpc->port, http ? http->port() : -1);
+  std::atomic<bool> draining{false};
+  if (http) {
+    http->Handle("POST", "/admin/drain", [&draining](const k3::HttpRequest&) {
+      draining = true;
+      return k3::HttpResponse{200, "text/plain", "draining\n"};
+    });
+  }
+  const std::string grpc_address = absl::StrCat(absl::GetFlag(FLAGS_advertise_host), ":", grpc->port);
+  LoadReporter load_reporter(absl::GetFlag(FLAGS_router), absl::Milliseconds(absl::GetFlag(FLAGS_load_report_ms)),
+                             [&](k3::v1::AttentionLoad* l) {
+                               l->set_node_id(node_id);
+                               l->set_grpc_address(grpc_address);
+                               l->set_draining(draining);
+                               l->set_running_requests(stat_running);
+                               l->set_waiting_requests(stat_waiting);
+                               l->set_outstanding_tokens(std::max<int64_t>(0, service.outstanding_tokens()));
+                               l->set_itl_seconds(service.TakeMeanItl());
+                               l->set_state_bytes(stat_state_bytes);
+                               l->set_steps(steps.exchange(0));
+                               l->set_step_seconds(static_cast<double>(step_nanos.exchange(0)) * 1e-9);
+                               l->set_dispatch_seconds(timed.TakeSeconds());
+                             });
   // Health follows the experts: SERVING only with a complete, connected placement.
   bool serving = false;
-  while (!k3::WaitForShutdown(absl::Milliseconds(100))) {
+  while (!k3::WaitForShutdown(absl::Milliseconds(100)) && !draining) {
     const bool ready = dispatcher.ready();
     if (ready != serving) {
       grpc->SetServing(ready);
@@ -310,9 +405,31 @@ int main(int argc, char** argv) {
                    static_cast<unsigned long>(dispatcher.placement_version()));
     }
   }
-  // Stop admitting; let the streams in flight finish, then stop the engine.
-  std::fprintf(stderr, "k3serve-attention %s: shutting down\n", node_id.c_str());
-  grpc->Shutdown(absl::Seconds(30));
+  // Drain: NOT_SERVING and no new requests (the gateways stop picking this node), the streams in
+  // flight finish within the drain timeout, the rest end with UNAVAILABLE; then stop.
+  draining = true;
+  grpc->SetServing(false);
+  load_reporter.Kick();
+  const double timeout_s = absl::GetFlag(FLAGS_drain_timeout);
+  const absl::Time drain_start = absl::Now();
+  // What was already on its way when the gateways learnt of the drain is still admitted.
+  absl::SleepFor(absl::Seconds(std::min(absl::GetFlag(FLAGS_drain_grace), timeout_s)));
+  service.SetDraining();
+  std::fprintf(stderr, "k3serve-attention %s: draining %ld request(s) (timeout %g s)\n", node_id.c_str(),
+               static_cast<long>(service.inflight()), timeout_s);
+  while (service.inflight() > 0 && absl::Now() - drain_start < absl::Seconds(timeout_s))
+    absl::SleepFor(absl::Milliseconds(20));
+  const int64_t left = service.inflight();
+  if (left > 0) {
+    service.EndRemaining(absl::StrCat("server shutting down (drain timeout ", timeout_s, " s)"));
+    while (service.inflight() > 0) absl::SleepFor(absl::Milliseconds(10));
+  }
+  std::fprintf(stderr,
+               "k3serve-attention %s: drained in %.2f s (%ld request(s) ended at the timeout, %ld new request(s) refused); "
+               "shutting down\n",
+               node_id.c_str(), absl::ToDoubleSeconds(absl::Now() - drain_start), static_cast<long>(left),
+               static_cast<long>(service.refused_draining()));
+  grpc->Shutdown(absl::Seconds(1));
   loop.Stop();
   reporter = nullptr;
   return 0;

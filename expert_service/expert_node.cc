@@ -161,6 +161,7 @@ grpc::Status ExpertNode::Status(grpc::ServerContext* ctx, const v1::StatusReques
   resp->set_rows_processed(rows_processed_);
   resp->set_batches_processed(batches_processed_);
   resp->set_draining(draining_);
+  resp->set_busy_seconds(m_busy_seconds_->Value());
   return grpc::Status::OK;
 }
 

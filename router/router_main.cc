@@ -13,6 +13,7 @@
 #include "common/service.h"
 #include "common/signals.h"
 #include "common/tls.h"
+#include "router/gateway_board.h"
 #include "router/router_service.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (only config.json is read)");
@@ -45,7 +46,9 @@ int main(int argc, char** argv) {
   k3::tls::ReloadOnSighup("k3serve-router");
   k3::metrics::Registry registry;
   k3::router::RouterService service(*config, registry, absl::GetFlag(FLAGS_first_version));
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service}, *creds);
+  k3::router::AttentionBoardService board;
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service, &board},
+                                  *creds);
   if (!grpc.ok()) {
     std::fprintf(stderr, "k3serve-router: %s\n", std::string(grpc.status().message()).c_str());
     return 2;

@@ -108,7 +108,8 @@ absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster)
   return d;
 }
 
-absl::StatusOr<Figures> Disaggregated(const BenchOptions& o, LocalCluster& cluster, int64_t vocab) {
+// The streams straight to the attention nodes, or (via_gateway) through the gateway.
+absl::StatusOr<Figures> Disaggregated(const BenchOptions& o, LocalCluster& cluster, int64_t vocab, bool via_gateway) {
   const auto prompts = Prompts(o.streams, o.prompt_len, vocab);
   std::vector<std::vector<Clock::time_point>> arrivals(o.streams);
   std::vector<absl::Status> status(o.streams);
@@ -116,7 +117,8 @@ absl::StatusOr<Figures> Disaggregated(const BenchOptions& o, LocalCluster& clust
   std::vector<std::thread> threads;
   for (int i = 0; i < o.streams; ++i)
     threads.emplace_back([&, i] {
-      InferenceClient client(cluster.attention_addresses()[i % cluster.attention_addresses().size()]);
+      InferenceClient client(via_gateway ? cluster.gateway_address()
+                                         : cluster.attention_addresses()[i % cluster.attention_addresses().size()]);
       SamplingParams sp;
       sp.max_new_tokens = o.max_tokens;
       sp.ignore_eos = true;
@@ -152,6 +154,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   co.experts = o.experts;
   co.attention_args = {absl::StrCat("--max-running=", o.streams)};
   co.expert_args = {"--data-plane=" + o.data_plane};
+  co.gateway = true;
   K3_ASSIGN_OR_RETURN(auto cluster, LocalCluster::Start(co));
   K3_ASSIGN_OR_RETURN(auto config, LoadModelConfig(o.model));
   const std::string remote_name = absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E");
@@ -161,8 +164,9 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     // Alternating, so that the machine's load changes hit both alike.
     K3_ASSIGN_OR_RETURN(Figures local, InProcess(o));
     K3_ASSIGN_OR_RETURN(DispatchMetrics before, ReadDispatchMetrics(*cluster));
-    K3_ASSIGN_OR_RETURN(Figures remote, Disaggregated(o, *cluster, config.vocab_size));
+    K3_ASSIGN_OR_RETURN(Figures remote, Disaggregated(o, *cluster, config.vocab_size, /*via_gateway=*/false));
     K3_ASSIGN_OR_RETURN(DispatchMetrics after, ReadDispatchMetrics(*cluster));
+    K3_ASSIGN_OR_RETURN(Figures gateway, Disaggregated(o, *cluster, config.vocab_size, /*via_gateway=*/true));
     const double rt_n = after.rt_count - before.rt_count, batch_n = after.batch_count - before.batch_count;
     const double stage_n = after.stage_count - before.stage_count;
     const double rt_us = rt_n > 0 ? 1e6 * (after.rt_sum - before.rt_sum) / rt_n : 0.0;
@@ -178,7 +182,12 @@ absl::Status RunClusterBench(const BenchOptions& o) {
                 local.itl_p99_ms, local.ttft_p50_ms);
     std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n", remote_name.c_str(), remote.decode_tok_s, remote.itl_p50_ms,
                 remote.itl_p99_ms, remote.ttft_p50_ms);
+    std::printf("%-22s %14.1f %12.3f %12.3f %12.2f\n", "through the gateway", gateway.decode_tok_s, gateway.itl_p50_ms,
+                gateway.itl_p99_ms, gateway.ttft_p50_ms);
     std::printf("ratio disaggregated / in-process decode tok/s: %.3f\n", r);
+    std::printf("gateway / direct: decode tok/s %.3f, ITL p50 %.3f\n",
+                remote.decode_tok_s > 0 ? gateway.decode_tok_s / remote.decode_tok_s : 0.0,
+                remote.itl_p50_ms > 0 ? gateway.itl_p50_ms / remote.itl_p50_ms : 0.0);
     std::printf("MoE dispatch round trip (one expert node, one layer): mean %.1f us over %.0f dispatches\n", rt_us, rt_n);
     std::printf("expert compute per batch: mean %.1f us over %.0f batches\n", batch_us, batch_n);
     std::printf("per MoE layer and expert node, mean us:");

@@ -1,11 +1,13 @@
 // k3serve: the user's command line.
 //   k3serve up --model DIR [--attention M --experts N --port 50051]   a local cluster until Ctrl-C
+//   k3serve scale --orchestrator HOST:PORT [--attention M] [--experts N]   returns once reached
 //   k3serve generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N [sampling flags]
 //   k3serve bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2]
 //   k3serve local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N   the in-process engine
 #include <unistd.h>
 
 #include <chrono>
+#include <optional>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -31,11 +33,12 @@ ABSL_FLAG(int, top_k, 0, "top-k cut (0: off)");
 ABSL_FLAG(double, top_p, 1.0, "nucleus cut (1: off)");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1: random)");
 ABSL_FLAG(bool, ignore_eos, false, "keep generating after an end-of-sequence token");
-ABSL_FLAG(double, timeout, 60.0, "request deadline in seconds (generate)");
+ABSL_FLAG(double, timeout, 60.0, "request deadline in seconds (generate); how long scale waits");
 ABSL_FLAG(int, attention, 1, "attention nodes (up, bench)");
 ABSL_FLAG(int, experts, 2, "expert nodes (up, bench)");
-ABSL_FLAG(int, port, 50051, "first attention node's gRPC port (up; 0: pick)");
+ABSL_FLAG(int, port, 50051, "the gateway's gRPC port, the address to call (up; 0: pick)");
 ABSL_FLAG(bool, tls, false, "up: a throwaway CA and certificates; mTLS between the nodes, TLS on the public API");
+ABSL_FLAG(std::string, orchestrator, "127.0.0.1:50070", "orchestrator admin address (scale)");
 ABSL_FLAG(int, streams, 16, "concurrent streams (bench)");
 ABSL_FLAG(std::string, data_plane, "shm", "expert nodes' data plane: shm or ucx (bench)");
 ABSL_FLAG(int, repeats, 1, "in-process and disaggregated runs, alternating (bench)");
@@ -85,24 +88,53 @@ int Up() {
   o.model = absl::GetFlag(FLAGS_model);
   o.attention = absl::GetFlag(FLAGS_attention);
   o.experts = absl::GetFlag(FLAGS_experts);
-  o.attention_port = absl::GetFlag(FLAGS_port);
   o.tls = absl::GetFlag(FLAGS_tls);
+  o.orchestrated = true;  // the orchestrator's local backend spawns, drains and restarts the nodes
+  o.gateway_port = absl::GetFlag(FLAGS_port);
+  o.orchestrator_args = {"--interval=1"};
   if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
-  std::fprintf(stderr, "starting router, %d expert node(s), %d attention node(s)...\n", o.experts, o.attention);
+  std::fprintf(stderr, "starting router, orchestrator (%d expert node(s), %d attention node(s)), gateway...\n", o.experts,
+               o.attention);
   auto cluster = LocalCluster::Start(o);
   if (!cluster.ok()) return Error(cluster.status());
-  std::printf("router   %s (metrics :%d)\n", (*cluster)->router_address().c_str(), (*cluster)->router_metrics_port());
-  for (size_t i = 0; i < (*cluster)->attention_addresses().size(); ++i)
-    std::printf("serving  %s (metrics :%d)\n", (*cluster)->attention_addresses()[i].c_str(),
-                (*cluster)->attention_metrics_ports()[i]);
-  if (o.tls) std::printf("TLS CA   %s\n", (*cluster)->ca_file().c_str());
-  std::printf("logs     %s\nCtrl-C stops the cluster.\n", (*cluster)->work_dir().c_str());
+  const LocalCluster& c = **cluster;
+  std::printf("gateway %s\n", c.gateway_address().c_str());
+  std::printf("orchestrator %s\n", c.orchestrator_address().c_str());
+  std::printf("router %s\n", c.router_address().c_str());
+  std::printf("metrics gateway :%d, orchestrator :%d, router :%d\n", c.gateway_metrics_port(), c.orchestrator_metrics_port(),
+              c.router_metrics_port());
+  for (const std::string& a : c.attention_addresses()) std::printf("attention %s\n", a.c_str());
+  if (o.tls) std::printf("TLS CA %s\n", c.ca_file().c_str());
+  std::printf("logs %s\nCtrl-C stops the cluster.\n", c.work_dir().c_str());
   std::fflush(stdout);
   while (!WaitForShutdown(absl::Seconds(1))) {
   }
   std::fprintf(stderr, "stopping...\n");
   cluster->reset();
   std::fprintf(stderr, "stopped\n");
+  return 0;
+}
+
+// Flags named on the command line (scale sets only the pools it is given).
+std::vector<std::string> g_given;
+
+bool Given(const std::string& name) {
+  for (const std::string& a : g_given)
+    if (a == "--" + name || a.rfind("--" + name + "=", 0) == 0) return true;
+  return false;
+}
+
+int Scale() {
+  std::optional<int> attention, experts;
+  if (Given("attention")) attention = absl::GetFlag(FLAGS_attention);
+  if (Given("experts")) experts = absl::GetFlag(FLAGS_experts);
+  if (!attention && !experts) return Error(absl::InvalidArgumentError("scale: give --attention N, --experts M, or both"));
+  const absl::Time start = absl::Now();
+  auto pools = ScalePools(absl::GetFlag(FLAGS_orchestrator), attention, experts, absl::Seconds(absl::GetFlag(FLAGS_timeout)));
+  if (!pools.ok()) return Error(pools.status());
+  for (const auto& p : pools->pools())
+    std::printf("%s %d/%d%s\n", p.pool().c_str(), p.actual(), p.desired(), p.manual() ? " (manual)" : "");
+  std::printf("reached in %.1f s\n", absl::ToDoubleSeconds(absl::Now() - start));
   return 0;
 }
 
@@ -186,15 +218,18 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "k3serve <command> [flags]\n"
       "  up --model DIR [--attention M --experts N --port 50051]     start a local cluster; Ctrl-C stops it\n"
+      "  scale --orchestrator HOST:PORT [--attention M] [--experts N] [--timeout S]   returns once reached\n"
       "  generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N  stream tokens from a server\n"
       "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2 --data-plane shm --repeats 1]\n"
       "  local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N  the in-process engine, no services\n"
       "sampling flags: --temperature T --top-k K --top-p P --seed S --ignore-eos");
   k3::NormalizeFlagNames(argc, argv);
+  k3::g_given.assign(argv + 1, argv + argc);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string cmd = args.size() >= 2 ? args[1] : "";
   if (cmd == "up") return k3::Up();
   if (cmd == "generate") return k3::Generate();
+  if (cmd == "scale") return k3::Scale();
   if (cmd == "bench") return k3::Bench();
   if (cmd == "local-generate") return k3::LocalGenerate();
   std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());

@@ -14,10 +14,12 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "k3serve/v1/orchestrator.grpc.pb.h"
 
 namespace k3 {
 namespace fs = std::filesystem;
@@ -117,6 +119,22 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
   std::unique_ptr<LocalCluster> c(new LocalCluster(std::move(options)));
   K3_RETURN_IF_ERROR(c->MakeCredentials());
   K3_RETURN_IF_ERROR(c->StartRouter(c->options_.router_port));
+  if (c->options_.orchestrated) {
+    K3_RETURN_IF_ERROR(c->StartOrchestrator());
+    K3_RETURN_IF_ERROR(c->StartGateway());
+    K3_ASSIGN_OR_RETURN(auto pools, WaitPools(c->orchestrator_address_, c->options_.attention, c->options_.experts, timeout));
+    for (const auto& p : pools.pools())
+      if (p.pool() == "attention")
+        for (const auto& r : p.replicas()) c->attention_addresses_.push_back(r.address());
+    const absl::Time end = absl::Now() + timeout;
+    while (true) {  // the gateway has seen a serving node
+      auto serving = IsServing(c->gateway_address_, absl::Seconds(1));
+      if (serving.ok() && *serving) break;
+      if (absl::Now() >= end) return absl::DeadlineExceededError("the gateway is not SERVING (see gateway.log)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return c;
+  }
   for (int i = 0; i < c->options_.experts; ++i) K3_RETURN_IF_ERROR(c->AddExpert());
   for (int i = 0; i < c->options_.attention; ++i) {
     std::vector<std::string> extra = c->options_.attention_args;
@@ -129,10 +147,126 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
     c->attention_.push_back(std::move(p));
   }
   K3_RETURN_IF_ERROR(c->WaitServing(timeout));
+  if (c->options_.gateway) {
+    K3_RETURN_IF_ERROR(c->StartGateway());
+    const absl::Time end = absl::Now() + timeout;
+    while (true) {
+      auto serving = IsServing(c->gateway_address_, absl::Seconds(1));
+      if (serving.ok() && *serving) break;
+      if (absl::Now() >= end) return absl::DeadlineExceededError("the gateway is not SERVING (see gateway.log)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
   return c;
 }
 
+absl::Status LocalCluster::StartGateway() {
+  const std::string ready = absl::StrCat(options_.work_dir, "/gateway.ready");
+  fs::remove(ready);
+  std::vector<std::string> argv = {options_.bin_dir + "/k3serve-gateway", "--router=" + router_address_,
+                                   "--host=127.0.0.1", absl::StrCat("--grpc-port=", options_.gateway_port),
+                                   "--metrics-port=0", "--ready-file=" + ready};
+  argv.insert(argv.end(), options_.gateway_args.begin(), options_.gateway_args.end());
+  K3_ASSIGN_OR_RETURN(gateway_, Process::Spawn("gateway", argv, absl::StrCat(options_.work_dir, "/gateway.log")));
+  K3_ASSIGN_OR_RETURN(auto fields, WaitReady(ready, *gateway_, absl::Seconds(30)));
+  gateway_address_ = absl::StrCat("127.0.0.1:", fields[0]);
+  gateway_metrics_ = std::stoi(fields[1]);
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::StartOrchestrator() {
+  const std::string ready = absl::StrCat(options_.work_dir, "/orchestrator.ready");
+  fs::remove(ready);
+  std::vector<std::string> argv = {options_.bin_dir + "/k3serve-orchestrator", "--backend=local",
+                                   "--model=" + options_.model, "--router=" + router_address_,
+                                   "--bin-dir=" + options_.bin_dir, "--work-dir=" + options_.work_dir,
+                                   "--host=127.0.0.1", absl::StrCat("--grpc-port=", options_.orchestrator_port),
+                                   "--metrics-port=0", "--ready-file=" + ready,
+                                   absl::StrCat("--attention=", options_.attention), absl::StrCat("--experts=", options_.experts)};
+  if (!options_.attention_args.empty()) argv.push_back("--attention-args=" + absl::StrJoin(options_.attention_args, " "));
+  if (!options_.expert_args.empty()) argv.push_back("--expert-args=" + absl::StrJoin(options_.expert_args, " "));
+  argv.insert(argv.end(), options_.orchestrator_args.begin(), options_.orchestrator_args.end());
+  K3_ASSIGN_OR_RETURN(orchestrator_, Process::Spawn("orchestrator", argv, absl::StrCat(options_.work_dir, "/orchestrator.log")));
+  K3_ASSIGN_OR_RETURN(auto fields, WaitReady(ready, *orchestrator_, absl::Seconds(30)));
+  orchestrator_address_ = absl::StrCat("127.0.0.1:", fields[0]);
+  orchestrator_metrics_ = std::stoi(fields[1]);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator) {
+  auto stub = k3serve::v1::Orchestrator::NewStub(grpc::CreateChannel(orchestrator, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  k3serve::v1::Pools pools;
+  const grpc::Status s = stub->GetPools(&ctx, k3serve::v1::GetPoolsRequest(), &pools);
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("orchestrator ", orchestrator, ": ", s.error_message()));
+  return pools;
+}
+
+absl::StatusOr<k3serve::v1::Pools> ScalePools(const std::string& orchestrator, std::optional<int> attention,
+                                              std::optional<int> experts, absl::Duration timeout) {
+  auto stub = k3serve::v1::Orchestrator::NewStub(grpc::CreateChannel(orchestrator, grpc::InsecureChannelCredentials()));
+  k3serve::v1::SetTargetsRequest req;
+  if (attention) req.set_attention(*attention);
+  if (experts) req.set_experts(*experts);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    k3serve::v1::Pools pools;
+    const grpc::Status s = stub->SetTargets(&ctx, req, &pools);
+    if (!s.ok())
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat("orchestrator ", orchestrator, ": ", s.error_message()));
+  }
+  return WaitPools(orchestrator, attention, experts, timeout);
+}
+
+absl::StatusOr<k3serve::v1::Pools> WaitPools(const std::string& orchestrator, std::optional<int> attention,
+                                             std::optional<int> experts, absl::Duration timeout) {
+  const absl::Time end = absl::Now() + timeout;
+  std::string error;
+  absl::Time error_since;
+  std::string where;
+  while (true) {
+    auto pools = GetPools(orchestrator);
+    if (pools.ok()) {
+      bool reached = true;
+      std::string now_error;
+      where.clear();
+      for (const auto& p : pools->pools()) {
+        const bool wanted = (p.pool() == "attention" && attention) || (p.pool() == "experts" && experts);
+        if (!wanted) continue;
+        bool draining = false;
+        for (const auto& r : p.replicas()) draining = draining || r.draining();
+        const int target = p.pool() == "attention" ? *attention : *experts;
+        reached = reached && p.desired() == target && p.actual() == target && !draining;
+        if (!p.error().empty()) now_error = absl::StrCat(p.pool(), ": ", p.error());
+        absl::StrAppend(&where, where.empty() ? "" : ", ", p.pool(), " ", p.actual(), "/", p.desired(), draining ? " (draining)" : "");
+      }
+      if (reached) return *pools;
+      // A backend error that persists (not a replica restarting) ends the wait.
+      if (now_error != error) {
+        error = now_error;
+        error_since = absl::Now();
+      } else if (!error.empty() && absl::Now() - error_since > absl::Seconds(5)) {
+        return absl::FailedPreconditionError(absl::StrCat("scaling failed: ", error));
+      }
+    }
+    if (absl::Now() >= end)
+      return absl::DeadlineExceededError(absl::StrCat("pools not reached within ", absl::FormatDuration(timeout), ": ",
+                                                      pools.ok() ? where : std::string(pools.status().message()),
+                                                      error.empty() ? "" : "; last error: " + error));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 LocalCluster::~LocalCluster() {
+  if (gateway_) gateway_->Signal(SIGTERM);
+  if (orchestrator_) {  // it drains and stops its nodes before it exits
+    orchestrator_->Signal(SIGTERM);
+    orchestrator_->Wait(absl::Seconds(60));
+  }
+  gateway_.reset();
+  orchestrator_.reset();
   for (auto& p : attention_) p->Signal(SIGTERM);
   attention_.clear();
   for (auto& p : experts_) p->Signal(SIGTERM);

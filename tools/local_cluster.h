@@ -1,4 +1,5 @@
-// A local k3serve cluster of real processes on loopback: router, expert nodes, attention nodes.
+// A local k3serve cluster of real processes on loopback: router, expert nodes, attention nodes,
+// and optionally the gateway in front and the orchestrator that owns the nodes.
 // Used by `k3serve up`, `k3serve bench` and the integration tests.
 #pragma once
 
@@ -11,6 +12,7 @@
 
 #include "absl/time/time.h"
 #include "common/status.h"
+#include "k3serve/v1/orchestrator.pb.h"
 
 namespace k3 {
 
@@ -51,6 +53,14 @@ struct ClusterOptions {
   // The cluster always runs with a generated node token and admin token (files in work_dir). With
   // tls, also a throwaway CA and certificates (openssl): mTLS between the nodes, TLS on the API.
   bool tls = false;
+  bool gateway = false;       // a k3serve-gateway in front of the attention nodes
+  int gateway_port = 0;       // 0: pick
+  std::vector<std::string> gateway_args;
+  // The nodes are the orchestrator's (local backend: it spawns, drains and restarts them); implies
+  // the gateway.
+  bool orchestrated = false;
+  int orchestrator_port = 0;  // 0: pick
+  std::vector<std::string> orchestrator_args;  // extra flags (--interval, --cooldown, ...)
 };
 
 class LocalCluster {
@@ -78,6 +88,12 @@ class LocalCluster {
   // "<dir>/tls/<name>.pem" and ".key" for name = node (every node) or admin (the router).
   std::string cert_file(const std::string& name) const { return options_.work_dir + "/tls/" + name + ".pem"; }
   std::string key_file(const std::string& name) const { return options_.work_dir + "/tls/" + name + ".key"; }
+  const std::string& gateway_address() const { return gateway_address_; }
+  int gateway_metrics_port() const { return gateway_metrics_; }
+  const std::string& orchestrator_address() const { return orchestrator_address_; }
+  int orchestrator_metrics_port() const { return orchestrator_metrics_; }
+  Process& gateway() { return *gateway_; }
+  Process& orchestrator() { return *orchestrator_; }
 
   absl::Status AddExpert();
   // Flags of the next router started (RestartRouter).
@@ -93,6 +109,8 @@ class LocalCluster {
   absl::Status MakeCredentials();
   // The flags that give a process its credentials: identity "node" or "admin".
   std::vector<std::string> CredentialFlags(const std::string& identity) const;
+  absl::Status StartGateway();
+  absl::Status StartOrchestrator();
   absl::StatusOr<std::unique_ptr<Process>> StartNode(const std::string& kind, int index, const std::vector<std::string>& extra,
                                                      std::vector<std::string>* ready_fields);
 
@@ -106,7 +124,23 @@ class LocalCluster {
   std::vector<int> attention_metrics_;
   std::vector<int> expert_metrics_;
   int next_index_ = 0;
+  std::unique_ptr<Process> gateway_;
+  std::string gateway_address_;
+  int gateway_metrics_ = -1;
+  std::unique_ptr<Process> orchestrator_;
+  std::string orchestrator_address_;
+  int orchestrator_metrics_ = -1;
 };
+
+// The orchestrator's pools now.
+absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator);
+// Sets the targets given and waits until the pools have reached them (ready, placed, no drain
+// left); fails with the backend's error if one persists, or at the timeout with where they are.
+absl::StatusOr<k3serve::v1::Pools> ScalePools(const std::string& orchestrator, std::optional<int> attention,
+                                              std::optional<int> experts, absl::Duration timeout);
+// Waits (without setting targets) until the given pools are at these sizes.
+absl::StatusOr<k3serve::v1::Pools> WaitPools(const std::string& orchestrator, std::optional<int> attention,
+                                             std::optional<int> experts, absl::Duration timeout);
 
 // grpc.health.v1 Check of the server's overall health (""); over TLS verified by `ca` when given.
 absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout, const std::string& ca = "");

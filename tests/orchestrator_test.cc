@@ -1,0 +1,177 @@
+// The orchestrator with its local backend, with real processes: it spawns the attention and
+// expert nodes, scales both pools under load, and restores a killed node.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "engine/engine.h"
+#include "tests/load_loop.h"
+#include "tests/testing.h"
+#include "tools/client.h"
+#include "tools/golden.h"
+#include "tools/http_get.h"
+#include "tools/local_cluster.h"
+
+namespace k3 {
+namespace {
+
+std::string ModelDir() { return testing::SourceDir() + "/tests/data/tiny-kimi-linear"; }
+
+ClusterOptions Orchestrated(int attention, int experts) {
+  ClusterOptions o;
+  o.bin_dir = K3SERVE_BIN_DIR;
+  o.model = ModelDir();
+  o.attention = attention;
+  o.experts = experts;
+  o.orchestrated = true;
+  o.orchestrator_args = {"--interval=0.5", "--drain-timeout=20"};
+  return o;
+}
+
+// The golden prompts with the in-process engine's greedy continuations.
+std::vector<testing::Prompt> EnginePrompts() {
+  auto golden = LoadGolden(ModelDir());
+  EXPECT_TRUE(golden.ok()) << golden.status();
+  auto model = Model::Load(ModelDir());
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<testing::Prompt> out;
+  if (!golden.ok() || !model.ok()) return out;
+  LocalExpertExecutor experts((*model)->config(), (*model)->weights());
+  CpuBackend backend(**model, experts);
+  Engine engine(backend);
+  for (size_t i = 0; i < golden->prompts.size(); ++i) {
+    SamplingParams p;
+    p.max_new_tokens = static_cast<int>(golden->prompts[i].greedy_ids.size());
+    p.ignore_eos = true;
+    EXPECT_TRUE(engine.Add(i, golden->prompts[i].input_ids, p).ok());
+    out.push_back({golden->prompts[i].input_ids, {}});
+  }
+  while (engine.HasWork())
+    for (const StepOutput& o : engine.Step()) out[o.id].expected.insert(out[o.id].expected.end(), o.tokens.begin(), o.tokens.end());
+  return out;
+}
+
+double Metric(int port, const std::string& name, const std::string& filter = "") {
+  auto m = HttpGet("127.0.0.1", port, "/metrics");
+  return m.ok() ? MetricValue(*m, name, filter) : -1;
+}
+
+// Under 12 running streams for 60 s, experts 2 -> 3 -> 2 and attention 1 -> 2 -> 1 through the
+// admin endpoint: no request fails and every output is the in-process engine's.
+TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
+  auto cluster = LocalCluster::Start(Orchestrated(1, 2));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::string orch = (*cluster)->orchestrator_address();
+  const auto prompts = EnginePrompts();
+  ASSERT_FALSE(prompts.empty());
+  // Out of bounds: the CLI fails with the reason.
+  {
+    const std::string cmd = std::string(K3SERVE_BIN_DIR) + "/k3serve scale --orchestrator " + orch + " --experts 99 2>&1";
+    FILE* f = ::popen(cmd.c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    char buf[512] = {0};
+    std::string out;
+    while (std::fgets(buf, sizeof(buf), f)) out += buf;
+    EXPECT_NE(::pclose(f), 0);
+    EXPECT_NE(out.find("experts = 99 is outside [1, 16]"), std::string::npos) << out;
+  }
+  // Pinned, so that only these targets move the pools.
+  ASSERT_TRUE(ScalePools(orch, 1, 2, absl::Seconds(30)).ok());
+  const absl::Time start = absl::Now();
+  testing::LoadLoop load((*cluster)->gateway_address(), prompts, 12);
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  struct Step {
+    std::optional<int> attention, experts;
+  };
+  for (Step s : {Step{std::nullopt, 3}, Step{2, std::nullopt}, Step{std::nullopt, 2}, Step{1, std::nullopt}}) {
+    const absl::Time t0 = absl::Now();
+    auto pools = ScalePools(orch, s.attention, s.experts, absl::Seconds(40));
+    ASSERT_TRUE(pools.ok()) << pools.status();
+    const absl::Duration took = absl::Now() - t0;
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    // Failures of this change: from the call until the next one (requests in flight meanwhile).
+    std::printf("%s -> %d reached in %.2f s (at %.1f s, %d requests done, %d failed during the change)\n",
+                s.attention ? "attention" : "experts", s.attention ? *s.attention : *s.experts, absl::ToDoubleSeconds(took),
+                absl::ToDoubleSeconds(t0 - start), load.ok(), load.failures_between(t0, absl::Now()));
+  }
+  const absl::Duration rest = absl::Seconds(60) - (absl::Now() - start);
+  if (rest > absl::ZeroDuration()) absl::SleepFor(rest);
+  load.Stop();
+  const auto failures = load.failures();
+  std::printf("60 s under 12 streams: %d requests completed, %zu failed, %d differed from the engine\n", load.ok(),
+              failures.size(), load.mismatches());
+  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures[0];
+  EXPECT_EQ(load.mismatches(), 0);
+  EXPECT_GT(load.ok(), 12);
+  const int m = (*cluster)->orchestrator_metrics_port();
+  for (const char* pool : {"attention", "experts"})
+    for (const char* dir : {"up", "down"})
+      EXPECT_GE(Metric(m, "k3serve_scaling_events_total", absl::StrCat("pool=\"", pool, "\",direction=\"", dir, "\"")), 1)
+          << pool << " " << dir;
+  EXPECT_GE(Metric(m, "k3serve_drain_duration_seconds_count", "pool=\"attention\""), 1);
+  EXPECT_EQ(Metric(m, "k3serve_pool_actual_replicas", "pool=\"experts\""), 2);
+}
+
+// SIGKILL of an expert node under load: the orchestrator restarts it and the router re-places;
+// requests fail only with UNAVAILABLE, and new ones succeed.
+TEST(Orchestrator, RestoresAKilledExpertNode) {
+  auto cluster = LocalCluster::Start(Orchestrated(1, 2));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::string orch = (*cluster)->orchestrator_address();
+  ASSERT_TRUE(ScalePools(orch, 1, 2, absl::Seconds(30)).ok());
+  const auto prompts = EnginePrompts();
+  testing::LoadLoop load((*cluster)->gateway_address(), prompts, 6);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  auto pools = GetPools(orch);
+  ASSERT_TRUE(pools.ok()) << pools.status();
+  int64_t pid = 0;
+  for (const auto& p : pools->pools())
+    if (p.pool() == "experts") pid = p.replicas(0).pid();
+  ASSERT_GT(pid, 0);
+  const absl::Time killed = absl::Now();
+  ASSERT_EQ(::kill(static_cast<pid_t>(pid), SIGKILL), 0);
+  // Restored: restarted, ready, in the complete placement, and a new request succeeds.
+  bool restarted = false;
+  while (!restarted && absl::Now() - killed < absl::Seconds(30)) {
+    auto now = GetPools(orch);
+    if (now.ok())
+      for (const auto& p : now->pools())
+        for (const auto& r : p.replicas()) restarted = restarted || r.restarts() > 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(restarted);
+  ASSERT_TRUE(WaitPools(orch, std::nullopt, 2, absl::Seconds(30)).ok());
+  InferenceClient client((*cluster)->gateway_address());
+  absl::StatusOr<GenerateResult> r = absl::UnknownError("not run");
+  SamplingParams sp;
+  sp.max_new_tokens = static_cast<int>(prompts[0].expected.size());
+  sp.ignore_eos = true;
+  for (int i = 0; i < 100 && !(r = client.Generate(prompts[0].ids, sp, absl::Seconds(30))).ok(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const absl::Duration recover = absl::Now() - killed;
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens, prompts[0].expected);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  load.Stop();
+  const auto failures = load.failures();
+  std::printf("expert node SIGKILLed under 6 streams: pool restored and serving in %.2f s; %d requests completed, %zu failed\n",
+              absl::ToDoubleSeconds(recover), load.ok(), failures.size());
+  for (const std::string& f : failures) EXPECT_EQ(f.rfind("UNAVAILABLE", 0), 0u) << f;
+  EXPECT_EQ(load.mismatches(), 0);
+  // New requests all succeed.
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& p = prompts[i % prompts.size()];
+    sp.max_new_tokens = static_cast<int>(p.expected.size());
+    auto after = client.Generate(p.ids, sp, absl::Seconds(30));
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->tokens, p.expected);
+  }
+}
+
+}  // namespace
+}  // namespace k3
