@@ -80,10 +80,18 @@ class NcclLink {
       stop_ = true;
     }
     watch_cv_.notify_all();
-    watchdog_.join();
+    if (watchdog_.joinable()) watchdog_.join();
     for (auto& [event, deadline] : watched_) cudaEventDestroy(event);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-    if (comm_) ncclCommAbort(comm_);
+    if (comm_) {
+      // A revoked communicator is freed once it is quiescent (bounded: abort frees it regardless).
+      for (int i = 0; i < 5000; ++i) {
+        ncclResult_t state;
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state != ncclInProgress) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ncclCommAbort(comm_);
+    }
   }
 
   // Waits until both ranks have joined; aborts the communicator after the deadline.
@@ -98,7 +106,10 @@ class NcclLink {
           AbortLocked(NcclError("communicator init", r != ncclSuccess ? r : state));
           return status_;
         }
-        if (state == ncclSuccess) return absl::OkStatus();
+        if (state == ncclSuccess) {
+          ready_ = true;
+          return absl::OkStatus();
+        }
       }
       if (absl::Now() > deadline) {
         Fail(absl::DeadlineExceededError(absl::StrCat("communicator with ", peer_, ": not set up in time")));
@@ -183,12 +194,16 @@ class NcclLink {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
     // Revoke ends the kernels that wait on the peer, and those still queued behind them exit at once; the
     // communicator's memory stays until the destructor, when the streams have drained.
-    if (comm_ && ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT) == ncclSuccess) {
-      aborted_done_ = true;
-      return;
+    if (ready_ && comm_) {
+      const ncclResult_t r = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+      if (r == ncclSuccess || r == ncclInProgress) {
+        aborted_done_ = true;
+        return;
+      }
     }
 #endif
-    // Older NCCL: abort frees the communicator now; a kernel of it still queued on a stream may fault.
+    // Not set up yet (no kernel of it can be queued), or NCCL before 2.28: abort frees it now; with an
+    // older NCCL a kernel of it still queued on a stream may then fault.
     if (comm_) ncclCommAbort(comm_);
     comm_ = nullptr;
     aborted_done_ = true;
@@ -259,6 +274,7 @@ class NcclLink {
   const std::string peer_;
   mutable std::mutex mu_;
   ncclComm_t comm_ = nullptr;  // kept after a revoke (no call uses it then), freed by the destructor
+  bool ready_ = false;         // both ranks have joined
   absl::Status status_;
   std::atomic<bool> aborted_done_{false};
 
@@ -401,8 +417,15 @@ absl::StatusOr<NcclExpertStats> NcclRemoteExperts::TakeExpertStats() {
   Impl& m = *impl_;
   K3_RETURN_IF_ERROR(m.link->status());
   K3_CUDA_OK(cudaSetDevice(m.device));
-  if (!m.stream) K3_CUDA_OK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  cudaStream_t s = m.stream;
+  // On the dispatches' stream (ops of one communicator stay in one order); before any, on a stream of its own.
+  struct Temp {
+    cudaStream_t s = nullptr;
+    ~Temp() {
+      if (s) cudaStreamDestroy(s);
+    }
+  } temp;
+  if (!m.stream) K3_CUDA_OK(cudaStreamCreateWithFlags(&temp.s, cudaStreamNonBlocking));
+  cudaStream_t s = m.stream ? m.stream : temp.s;
   DeviceBuffer reply;
   K3_RETURN_IF_ERROR(reply.Reserve(kNcclFrameBytes));
   K3_ASSIGN_OR_RETURN(std::byte* frame,
@@ -459,8 +482,10 @@ struct NcclExpertServer::Impl {
       stopping = true;
       for (auto& [id, s] : sessions) s->link->Fail(absl::UnavailableError("the expert node is shutting down"));
     }
-    control.reset();  // ends the streams: the clients learn of it
+    // The sessions end (their links failed), then the streams: the clients learn of it. In this order because a
+    // session that ends tells its client why through the rendezvous server.
     for (auto& [id, s] : sessions) s->thread.join();
+    control.reset();
     sessions.clear();
     if (compute) cudaStreamDestroy(compute);
   }
@@ -487,6 +512,7 @@ struct NcclExpertServer::Impl {
     const uint64_t id = s->id;
     {
       std::lock_guard<std::mutex> lock(mu);
+      if (stopping) return absl::UnavailableError("the expert node is shutting down");
       sessions[id] = std::move(s);
       raw->thread = std::thread(&Impl::Serve, this, raw);
     }
