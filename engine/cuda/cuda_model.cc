@@ -1361,6 +1361,8 @@ void CudaModel::SetExpertExecutor(CudaExpertExecutor* experts) {
   impl_->experts = experts ? experts : &impl_->local_experts;
 }
 
+CudaExpertExecutor* CudaModel::local_experts() { return impl_->opt.routed_experts ? &impl_->local_experts : nullptr; }
+
 int64_t CudaModel::weight_bytes() const {
   const Impl& m = *impl_;
   int64_t experts = 0;

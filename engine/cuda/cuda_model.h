@@ -105,6 +105,9 @@ class CudaModel {
 
   // Replaces the in-process routed experts (not owned; null restores them).
   void SetExpertExecutor(CudaExpertExecutor* experts);
+  // The in-process routed experts (what an expert process serves over NCCL: router/nccl_transport.h), for
+  // requests of up to max_batch_tokens rows on this model's device; null when they are not loaded.
+  CudaExpertExecutor* local_experts();
 
   // Bytes of weights held on the device.
   int64_t weight_bytes() const;
