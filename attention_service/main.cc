@@ -147,7 +147,7 @@ class LoadReporter {
  public:
   using Fill = std::function<void(k3::v1::AttentionLoad*)>;
   LoadReporter(const std::string& router, absl::Duration interval, Fill fill)
-      : stub_(k3::v1::AttentionBoard::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()))),
+      : stub_(k3::v1::AttentionBoard::NewStub(k3::tls::NewChannel(router))),
         interval_(interval), fill_(std::move(fill)), thread_([this] { Run(); }) {}
   ~LoadReporter() {
     {
@@ -169,6 +169,7 @@ class LoadReporter {
       fill_(&load);
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      k3::auth::AddNodeCredentials(&ctx);
       k3::v1::ReportAttentionLoadResponse resp;
       stub_->ReportAttentionLoad(&ctx, load, &resp);
       lock.lock();

@@ -12,6 +12,8 @@
 #include "common/grpc_server.h"
 #include "common/service.h"
 #include "common/signals.h"
+#include "common/auth.h"
+#include "common/tls.h"
 #include "engine/config.h"
 #include "orchestrator/kubernetes_backend.h"
 #include "orchestrator/local_backend.h"
@@ -145,9 +147,21 @@ int main(int argc, char** argv) {
     return Fail("--backend", absl::InvalidArgumentError(absl::StrCat("--backend must be local or kubernetes, got \"", kind, "\"")));
   }
 
+  if (auto s = k3::auth::LoadFromFlags(); !s.ok()) {
+    std::fprintf(stderr, "k3serve-orchestrator: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  // The admin API is control plane: mutual TLS when a CA is given; the admin identity is ours.
+  auto creds = k3::tls::ServerCredentialsFromFlags(/*mutual=*/true);
+  const absl::Status client_creds = k3::tls::ChannelCredentialsFromFlags().status();
+  if (!creds.ok() || !client_creds.ok()) {
+    std::fprintf(stderr, "k3serve-orchestrator: %s\n", std::string((creds.ok() ? client_creds : creds.status()).message()).c_str());
+    return 2;
+  }
+  k3::tls::ReloadOnSighup("k3serve-orchestrator");
   k3::metrics::Registry registry;
   auto orchestrator = std::make_unique<o::Orchestrator>(opt, *backend, registry);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {orchestrator.get()});
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {orchestrator.get()}, *creds);
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
   auto http = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!http.ok()) return Fail("metrics", http.status());

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
+#include "common/tls.h"
 
 namespace k3::orchestrator {
 namespace {
@@ -22,8 +24,8 @@ std::chrono::system_clock::time_point Deadline() { return std::chrono::system_cl
 Orchestrator::Orchestrator(OrchestratorOptions options, Backend& backend, metrics::Registry& reg)
     : options_(std::move(options)),
       backend_(backend),
-      board_(v1::AttentionBoard::NewStub(grpc::CreateChannel(options_.router_address, grpc::InsecureChannelCredentials()))),
-      router_(v1::Router::NewStub(grpc::CreateChannel(options_.router_address, grpc::InsecureChannelCredentials()))) {
+      board_(v1::AttentionBoard::NewStub(tls::NewChannel(options_.router_address))),
+      router_(v1::Router::NewStub(tls::NewChannel(options_.router_address))) {
   controllers_.emplace(Pool::kAttention, PoolController(options_.attention, options_.initial_attention));
   controllers_.emplace(Pool::kExperts, PoolController(options_.experts, options_.initial_experts));
   m_desired_ = metrics::Must(reg.AddGauge("k3serve_pool_desired_replicas", "Replicas the orchestrator wants, per pool.", {"pool"}));
@@ -78,6 +80,7 @@ Orchestrator::Signals Orchestrator::Measure() {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
+    auth::AddAdminCredentials(&ctx);
     if (!board_->ListAttentionNodes(&ctx, v1::ListAttentionNodesRequest(), &nodes).ok()) nodes.Clear();
   }
   double requests = 0, itl_sum = 0, attn_seconds = 0, step_rate = 0;
@@ -106,6 +109,7 @@ Orchestrator::Signals Orchestrator::Measure() {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
+    auth::AddAdminCredentials(&ctx);
     if (!router_->GetPlacement(&ctx, v1::GetPlacementRequest(), &placement).ok()) placement.Clear();
   }
   if (placement.complete()) s.placed_experts = placement.nodes_size();
@@ -115,9 +119,10 @@ Orchestrator::Signals Orchestrator::Measure() {
   std::map<std::string, ExpertSample> samples;
   for (const v1::ExpertNode& n : placement.nodes()) {
     auto& stub = expert_admin_[n.grpc_address()];
-    if (!stub) stub = v1::ExpertAdmin::NewStub(grpc::CreateChannel(n.grpc_address(), grpc::InsecureChannelCredentials()));
+    if (!stub) stub = v1::ExpertAdmin::NewStub(tls::NewChannel(n.grpc_address()));
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
+    auth::AddAdminCredentials(&ctx);
     v1::ExpertStatus st;
     if (!stub->Status(&ctx, v1::StatusRequest(), &st).ok()) continue;
     ExpertSample cur{st.busy_seconds(), st.rows_processed(), now};
@@ -225,7 +230,8 @@ grpc::Status Orchestrator::GetPools(grpc::ServerContext*, const v1::GetPoolsRequ
   return grpc::Status::OK;
 }
 
-grpc::Status Orchestrator::SetTargets(grpc::ServerContext*, const v1::SetTargetsRequest* req, v1::Pools* resp) {
+grpc::Status Orchestrator::SetTargets(grpc::ServerContext* ctx, const v1::SetTargetsRequest* req, v1::Pools* resp) {
+  if (auto s = auth::RequireAdmin(*ctx, "Orchestrator.SetTargets"); !s.ok()) return s;
   const absl::Time now = absl::Now();
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
+#include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace k3::router {
@@ -59,7 +61,7 @@ void Gateway::Node::Watch() {
 
 Gateway::Gateway(GatewayOptions options, metrics::Registry& reg)
     : options_(std::move(options)),
-      board_(v1::AttentionBoard::NewStub(grpc::CreateChannel(options_.router_address, grpc::InsecureChannelCredentials()))) {
+      board_(v1::AttentionBoard::NewStub(tls::NewChannel(options_.router_address))) {
   m_requests_ = metrics::Must(reg.AddCounter("k3serve_gateway_requests_total", "Generate streams by final gRPC status.", {"code"}));
   m_retries_ = &metrics::Must(reg.AddCounter("k3serve_gateway_retries_total",
                                              "Streams sent to another attention node after one failed before the first token."))->WithLabels();
@@ -100,6 +102,7 @@ void Gateway::RefreshLoop() {
 void Gateway::Refresh() {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  auth::AddNodeCredentials(&ctx);
   v1::AttentionNodes list;
   const grpc::Status s = board_->ListAttentionNodes(&ctx, v1::ListAttentionNodesRequest(), &list);
   std::map<std::string, std::shared_ptr<Node>> gone;  // their watches end outside the lock
@@ -116,7 +119,7 @@ void Gateway::Refresh() {
           n = std::make_shared<Node>();
           n->id = l.node_id();
           n->address = l.grpc_address();
-          n->channel = grpc::CreateChannel(l.grpc_address(), grpc::InsecureChannelCredentials());
+          n->channel = tls::NewChannel(l.grpc_address());
           n->stub = v1::Inference::NewStub(n->channel);
           Node* raw = n.get();
           n->watcher = std::thread([raw] { raw->Watch(); });
@@ -158,6 +161,14 @@ void Gateway::Release(const std::shared_ptr<Node>& n) {
   --n->open;
 }
 
+// The client's deadline, cancellation and API key go with the forwarded call.
+std::unique_ptr<grpc::ClientContext> Gateway::Upstream(const grpc::ServerContext& ctx) {
+  std::unique_ptr<grpc::ClientContext> up = grpc::ClientContext::FromServerContext(ctx);
+  const auto& md = ctx.client_metadata();
+  if (auto it = md.find("authorization"); it != md.end()) up->AddMetadata("authorization", std::string(it->second.data(), it->second.size()));
+  return up;
+}
+
 grpc::Status Gateway::Done(const grpc::Status& s) {
   m_requests_->WithLabels({CodeName(s.error_code())}).Inc();
   return s;
@@ -165,6 +176,7 @@ grpc::Status Gateway::Done(const grpc::Status& s) {
 
 grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                                grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Done(s);
   m_inflight_->Inc();
   struct Dec {
     metrics::Gauge* g;
@@ -182,7 +194,7 @@ grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateReque
       by_request_id_[req->request_id()] = node;
     }
     // The client's deadline and cancellation reach the node with the call.
-    std::unique_ptr<grpc::ClientContext> up = grpc::ClientContext::FromServerContext(*ctx);
+    std::unique_ptr<grpc::ClientContext> up = Upstream(*ctx);
     auto reader = node->stub->Generate(up.get(), *req);
     bool sent = false;  // something reached the client: no retry from here on
     v1::GenerateResponse resp;
@@ -223,6 +235,7 @@ grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateReque
 }
 
 grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) {
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return s;
   if (req->request_id().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "request_id must not be empty"};
   std::vector<std::shared_ptr<Node>> targets;
   {
@@ -237,7 +250,7 @@ grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* re
   }
   resp->set_found(false);
   for (auto& n : targets) {
-    auto up = grpc::ClientContext::FromServerContext(*ctx);
+    auto up = Upstream(*ctx);
     v1::AbortResponse r;
     if (n->stub->Abort(up.get(), *req, &r).ok() && r.found()) {
       resp->set_found(true);
@@ -248,13 +261,14 @@ grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* re
 }
 
 grpc::Status Gateway::GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) {
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return s;
   std::set<std::string> tried;
   grpc::Status last(grpc::StatusCode::UNAVAILABLE, "no attention node is serving");
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     std::shared_ptr<Node> node = Pick(tried, absl::Now());
     if (!node) break;
     tried.insert(node->id);
-    auto up = grpc::ClientContext::FromServerContext(*ctx);
+    auto up = Upstream(*ctx);
     last = node->stub->GetModelInfo(up.get(), *req, resp);
     Release(node);
     if (last.ok() || !NodeFailure(last.error_code())) return last;

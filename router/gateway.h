@@ -74,6 +74,7 @@ class Gateway final : public v1::Inference::Service {
   void RefreshLoop();
   void Refresh();
   grpc::Status Done(const grpc::Status& s);
+  static std::unique_ptr<grpc::ClientContext> Upstream(const grpc::ServerContext& ctx);
 
   const GatewayOptions options_;
   std::unique_ptr<v1::AttentionBoard::Stub> board_;

@@ -2,11 +2,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
 
 namespace k3::router {
 
-grpc::Status AttentionBoardService::ReportAttentionLoad(grpc::ServerContext*, const v1::AttentionLoad* req,
+grpc::Status AttentionBoardService::ReportAttentionLoad(grpc::ServerContext* ctx, const v1::AttentionLoad* req,
                                                         v1::ReportAttentionLoadResponse*) {
+  if (auto s = auth::RequireNode(*ctx, "AttentionBoard.ReportAttentionLoad"); !s.ok()) return s;
   if (req->node_id().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "node_id must not be empty"};
   if (req->grpc_address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "grpc_address must not be empty"};
   if (req->running_requests() < 0 || req->waiting_requests() < 0 || req->outstanding_tokens() < 0)

@@ -8,6 +8,8 @@
 #include "common/grpc_server.h"
 #include "common/service.h"
 #include "common/signals.h"
+#include "common/auth.h"
+#include "common/tls.h"
 #include "router/gateway.h"
 
 ABSL_FLAG(std::string, router, "127.0.0.1:50050", "router gRPC address (the board of attention nodes)");
@@ -26,13 +28,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "k3serve-gateway: --max-attempts and --refresh-ms must be >= 1\n");
     return 2;
   }
+  if (auto s = k3::auth::LoadFromFlags(); !s.ok()) {
+    std::fprintf(stderr, "k3serve-gateway: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  // Server TLS on the public API; the client side (router, attention nodes) as the flags say.
+  auto creds = k3::tls::ServerCredentialsFromFlags(/*mutual=*/false);
+  const absl::Status client_creds = k3::tls::ChannelCredentialsFromFlags().status();
+  if (!creds.ok() || !client_creds.ok()) {
+    std::fprintf(stderr, "k3serve-gateway: %s\n", std::string((creds.ok() ? client_creds : creds.status()).message()).c_str());
+    return 2;
+  }
+  k3::tls::ReloadOnSighup("k3serve-gateway");
   k3::metrics::Registry registry;
   k3::router::GatewayOptions opt;
   opt.router_address = absl::GetFlag(FLAGS_router);
   opt.refresh = absl::Milliseconds(absl::GetFlag(FLAGS_refresh_ms));
   opt.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   k3::router::Gateway gateway(opt, registry);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&gateway});
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&gateway}, *creds);
   if (!grpc.ok()) {
     std::fprintf(stderr, "k3serve-gateway: %s\n", std::string(grpc.status().message()).c_str());
     return 2;

@@ -67,6 +67,7 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
   auto cluster = LocalCluster::Start(Orchestrated(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const std::string orch = (*cluster)->orchestrator_address();
+  const std::string admin = (*cluster)->admin_token_file();
   const auto prompts = EnginePrompts();
   ASSERT_FALSE(prompts.empty());
   // Out of bounds: the CLI fails with the reason.
@@ -81,7 +82,7 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
     EXPECT_NE(out.find("experts = 99 is outside [1, 16]"), std::string::npos) << out;
   }
   // Pinned, so that only these targets move the pools.
-  ASSERT_TRUE(ScalePools(orch, 1, 2, absl::Seconds(30)).ok());
+  ASSERT_TRUE(ScalePools(orch, 1, 2, absl::Seconds(30), admin).ok());
   const absl::Time start = absl::Now();
   testing::LoadLoop load((*cluster)->gateway_address(), prompts, 12);
   std::this_thread::sleep_for(std::chrono::seconds(3));
@@ -90,7 +91,7 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
   };
   for (Step s : {Step{std::nullopt, 3}, Step{2, std::nullopt}, Step{std::nullopt, 2}, Step{1, std::nullopt}}) {
     const absl::Time t0 = absl::Now();
-    auto pools = ScalePools(orch, s.attention, s.experts, absl::Seconds(40));
+    auto pools = ScalePools(orch, s.attention, s.experts, absl::Seconds(40), admin);
     ASSERT_TRUE(pools.ok()) << pools.status();
     const absl::Duration took = absl::Now() - t0;
     std::this_thread::sleep_for(std::chrono::seconds(3));
@@ -123,7 +124,8 @@ TEST(Orchestrator, RestoresAKilledExpertNode) {
   auto cluster = LocalCluster::Start(Orchestrated(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const std::string orch = (*cluster)->orchestrator_address();
-  ASSERT_TRUE(ScalePools(orch, 1, 2, absl::Seconds(30)).ok());
+  const std::string admin = (*cluster)->admin_token_file();
+  ASSERT_TRUE(ScalePools(orch, 1, 2, absl::Seconds(30), admin).ok());
   const auto prompts = EnginePrompts();
   testing::LoadLoop load((*cluster)->gateway_address(), prompts, 6);
   std::this_thread::sleep_for(std::chrono::seconds(2));

@@ -17,6 +17,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/auth.h"
+#include "common/tls.h"
 #include "common/flags.h"
 #include "common/signals.h"
 #include "engine/engine.h"
@@ -104,6 +106,7 @@ int Up() {
   std::printf("metrics gateway :%d, orchestrator :%d, router :%d\n", c.gateway_metrics_port(), c.orchestrator_metrics_port(),
               c.router_metrics_port());
   for (const std::string& a : c.attention_addresses()) std::printf("attention %s\n", a.c_str());
+  std::printf("admin token %s (k3serve scale --admin-token-file)\n", c.admin_token_file().c_str());
   if (o.tls) std::printf("TLS CA %s\n", c.ca_file().c_str());
   std::printf("logs %s\nCtrl-C stops the cluster.\n", c.work_dir().c_str());
   std::fflush(stdout);
@@ -129,6 +132,9 @@ int Scale() {
   if (Given("attention")) attention = absl::GetFlag(FLAGS_attention);
   if (Given("experts")) experts = absl::GetFlag(FLAGS_experts);
   if (!attention && !experts) return Error(absl::InvalidArgumentError("scale: give --attention N, --experts M, or both"));
+  // The admin identity from --admin-token-file (and --tls-* for an mTLS orchestrator).
+  if (auto s = auth::LoadFromFlags(); !s.ok()) return Error(s);
+  if (auto s = tls::ChannelCredentialsFromFlags().status(); !s.ok()) return Error(s);
   const absl::Time start = absl::Now();
   auto pools = ScalePools(absl::GetFlag(FLAGS_orchestrator), attention, experts, absl::Seconds(absl::GetFlag(FLAGS_timeout)));
   if (!pools.ok()) return Error(pools.status());

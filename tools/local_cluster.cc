@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "k3serve/v1/orchestrator.grpc.pb.h"
@@ -122,13 +123,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
   if (c->options_.orchestrated) {
     K3_RETURN_IF_ERROR(c->StartOrchestrator());
     K3_RETURN_IF_ERROR(c->StartGateway());
-    K3_ASSIGN_OR_RETURN(auto pools, WaitPools(c->orchestrator_address_, c->options_.attention, c->options_.experts, timeout));
+    std::shared_ptr<grpc::ChannelCredentials> admin = grpc::InsecureChannelCredentials();
+    if (c->options_.tls)
+      K3_ASSIGN_OR_RETURN(admin, tls::ChannelCredentials({c->cert_file("admin"), c->key_file("admin"), c->ca_file()}));
+    K3_ASSIGN_OR_RETURN(auto pools,
+                        WaitPools(c->orchestrator_address_, c->options_.attention, c->options_.experts, timeout, admin));
     for (const auto& p : pools.pools())
       if (p.pool() == "attention")
         for (const auto& r : p.replicas()) c->attention_addresses_.push_back(r.address());
     const absl::Time end = absl::Now() + timeout;
     while (true) {  // the gateway has seen a serving node
-      auto serving = IsServing(c->gateway_address_, absl::Seconds(1));
+      auto serving = IsServing(c->gateway_address_, absl::Seconds(1), c->options_.tls ? c->ca_file() : "");
       if (serving.ok() && *serving) break;
       if (absl::Now() >= end) return absl::DeadlineExceededError("the gateway is not SERVING (see gateway.log)");
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -151,7 +156,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
     K3_RETURN_IF_ERROR(c->StartGateway());
     const absl::Time end = absl::Now() + timeout;
     while (true) {
-      auto serving = IsServing(c->gateway_address_, absl::Seconds(1));
+      auto serving = IsServing(c->gateway_address_, absl::Seconds(1), c->options_.tls ? c->ca_file() : "");
       if (serving.ok() && *serving) break;
       if (absl::Now() >= end) return absl::DeadlineExceededError("the gateway is not SERVING (see gateway.log)");
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -166,6 +171,7 @@ absl::Status LocalCluster::StartGateway() {
   std::vector<std::string> argv = {options_.bin_dir + "/k3serve-gateway", "--router=" + router_address_,
                                    "--host=127.0.0.1", absl::StrCat("--grpc-port=", options_.gateway_port),
                                    "--metrics-port=0", "--ready-file=" + ready};
+  for (const auto& f : CredentialFlags("node")) argv.push_back(f);
   argv.insert(argv.end(), options_.gateway_args.begin(), options_.gateway_args.end());
   K3_ASSIGN_OR_RETURN(gateway_, Process::Spawn("gateway", argv, absl::StrCat(options_.work_dir, "/gateway.log")));
   K3_ASSIGN_OR_RETURN(auto fields, WaitReady(ready, *gateway_, absl::Seconds(30)));
@@ -183,8 +189,13 @@ absl::Status LocalCluster::StartOrchestrator() {
                                    "--host=127.0.0.1", absl::StrCat("--grpc-port=", options_.orchestrator_port),
                                    "--metrics-port=0", "--ready-file=" + ready,
                                    absl::StrCat("--attention=", options_.attention), absl::StrCat("--experts=", options_.experts)};
-  if (!options_.attention_args.empty()) argv.push_back("--attention-args=" + absl::StrJoin(options_.attention_args, " "));
-  if (!options_.expert_args.empty()) argv.push_back("--expert-args=" + absl::StrJoin(options_.expert_args, " "));
+  for (const auto& f : CredentialFlags("admin")) argv.push_back(f);
+  // The nodes it spawns are cluster members: the node credentials.
+  std::vector<std::string> attention_args = CredentialFlags("node"), expert_args = CredentialFlags("node");
+  attention_args.insert(attention_args.end(), options_.attention_args.begin(), options_.attention_args.end());
+  expert_args.insert(expert_args.end(), options_.expert_args.begin(), options_.expert_args.end());
+  argv.push_back("--attention-args=" + absl::StrJoin(attention_args, " "));
+  argv.push_back("--expert-args=" + absl::StrJoin(expert_args, " "));
   argv.insert(argv.end(), options_.orchestrator_args.begin(), options_.orchestrator_args.end());
   K3_ASSIGN_OR_RETURN(orchestrator_, Process::Spawn("orchestrator", argv, absl::StrCat(options_.work_dir, "/orchestrator.log")));
   K3_ASSIGN_OR_RETURN(auto fields, WaitReady(ready, *orchestrator_, absl::Seconds(30)));
@@ -193,8 +204,8 @@ absl::Status LocalCluster::StartOrchestrator() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator) {
-  auto stub = k3serve::v1::Orchestrator::NewStub(grpc::CreateChannel(orchestrator, grpc::InsecureChannelCredentials()));
+absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator, std::shared_ptr<grpc::ChannelCredentials> creds) {
+  auto stub = k3serve::v1::Orchestrator::NewStub(creds ? grpc::CreateChannel(orchestrator, creds) : tls::NewChannel(orchestrator));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   k3serve::v1::Pools pools;
@@ -204,14 +215,26 @@ absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator) {
 }
 
 absl::StatusOr<k3serve::v1::Pools> ScalePools(const std::string& orchestrator, std::optional<int> attention,
-                                              std::optional<int> experts, absl::Duration timeout) {
-  auto stub = k3serve::v1::Orchestrator::NewStub(grpc::CreateChannel(orchestrator, grpc::InsecureChannelCredentials()));
+                                              std::optional<int> experts, absl::Duration timeout,
+                                              const std::string& admin_token_file) {
+  std::string admin_token;
+  if (!admin_token_file.empty()) {
+    std::ifstream in(admin_token_file);
+    if (!std::getline(in, admin_token) || admin_token.empty())
+      return absl::FailedPreconditionError(absl::StrCat("cannot read the admin token from ", admin_token_file));
+  }
+  auto stub = k3serve::v1::Orchestrator::NewStub(tls::NewChannel(orchestrator));
   k3serve::v1::SetTargetsRequest req;
   if (attention) req.set_attention(*attention);
   if (experts) req.set_experts(*experts);
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    if (admin_token.empty()) {
+      auth::AddAdminCredentials(&ctx);
+    } else {
+      ctx.AddMetadata(auth::kAdminTokenKey, admin_token);
+    }
     k3serve::v1::Pools pools;
     const grpc::Status s = stub->SetTargets(&ctx, req, &pools);
     if (!s.ok())
@@ -221,13 +244,14 @@ absl::StatusOr<k3serve::v1::Pools> ScalePools(const std::string& orchestrator, s
 }
 
 absl::StatusOr<k3serve::v1::Pools> WaitPools(const std::string& orchestrator, std::optional<int> attention,
-                                             std::optional<int> experts, absl::Duration timeout) {
+                                             std::optional<int> experts, absl::Duration timeout,
+                                             std::shared_ptr<grpc::ChannelCredentials> creds) {
   const absl::Time end = absl::Now() + timeout;
   std::string error;
   absl::Time error_since;
   std::string where;
   while (true) {
-    auto pools = GetPools(orchestrator);
+    auto pools = GetPools(orchestrator, creds);
     if (pools.ok()) {
       bool reached = true;
       std::string now_error;

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/time/time.h"
 #include "common/status.h"
 #include "k3serve/v1/orchestrator.pb.h"
@@ -132,15 +134,20 @@ class LocalCluster {
   int orchestrator_metrics_ = -1;
 };
 
-// The orchestrator's pools now.
-absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator);
+// The orchestrator's pools now. Without creds, the channel is as this process's --tls-* flags say.
+absl::StatusOr<k3serve::v1::Pools> GetPools(const std::string& orchestrator,
+                                            std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
 // Sets the targets given and waits until the pools have reached them (ready, placed, no drain
 // left); fails with the backend's error if one persists, or at the timeout with where they are.
+// The call carries the admin identity: the token in admin_token_file, or (empty) this process's
+// own credentials (--admin-token-file, --tls-*).
 absl::StatusOr<k3serve::v1::Pools> ScalePools(const std::string& orchestrator, std::optional<int> attention,
-                                              std::optional<int> experts, absl::Duration timeout);
+                                              std::optional<int> experts, absl::Duration timeout,
+                                              const std::string& admin_token_file = "");
 // Waits (without setting targets) until the given pools are at these sizes.
 absl::StatusOr<k3serve::v1::Pools> WaitPools(const std::string& orchestrator, std::optional<int> attention,
-                                             std::optional<int> experts, absl::Duration timeout);
+                                             std::optional<int> experts, absl::Duration timeout,
+                                             std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
 
 // grpc.health.v1 Check of the server's overall health (""); over TLS verified by `ca` when given.
 absl::StatusOr<bool> IsServing(const std::string& address, absl::Duration timeout, const std::string& ca = "");
