@@ -16,7 +16,7 @@ log=$(mktemp)
 up=$!
 trap 'kill -INT $up 2>/dev/null; wait $up 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do
-  grep -q '^serving' "$log" && break
+  grep -q '^gateway ' "$log" && break
   kill -0 $up 2>/dev/null || { cat "$log"; exit 1; }
   sleep 0.1
 done

@@ -37,11 +37,11 @@ echo "ok: podman build in $(( $(date +%s) - start )) s, $(podman image inspect -
 
 podman run -d --name "$name" --network none "$image" > /dev/null
 for _ in $(seq 120); do
-  podman logs "$name" 2>&1 | grep -q '^serving' && break
+  podman logs "$name" 2>&1 | grep -q '^gateway ' && break
   [ "$(podman inspect --format '{{.State.Running}}' "$name")" = true ] || { podman logs "$name"; fail "the container exited"; }
   sleep 0.5
 done
-podman logs "$name" 2>&1 | grep -q '^serving' || { podman logs "$name"; fail "k3serve up did not start serving"; }
+podman logs "$name" 2>&1 | grep -q '^gateway ' || { podman logs "$name"; fail "k3serve up did not start serving"; }
 [ "$(podman exec "$name" id -u)" = 10001 ] || fail "the container does not run as user 10001"
 [ "$(podman inspect --format '{{.HostConfig.NetworkMode}}' "$name")" = none ] || fail "the container has a network"
 
