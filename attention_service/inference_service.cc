@@ -18,9 +18,12 @@ v1::FinishReason ToProto(FinishReason r) {
 grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID_ARGUMENT, msg}; }
 
 // IsCancelled() is true both when the client cancels and when its deadline passes; the status
-// (and k3serve_requests_total's code) tells them apart.
+// (and k3serve_requests_total's code) tells them apart. The client cancels the stream at its
+// deadline, which the server's copy (taken on arrival, so later by the request's transit) may not
+// have reached yet: a cancellation that close to the deadline is the deadline's.
 grpc::Status ClientGone(const grpc::ServerContext& ctx, const char* what) {
-  if (ctx.deadline() <= std::chrono::system_clock::now())
+  constexpr auto kTransitSlack = std::chrono::milliseconds(500);
+  if (ctx.deadline() <= std::chrono::system_clock::now() + kTransitSlack)
     return {grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"};
   return {grpc::StatusCode::CANCELLED, what};
 }

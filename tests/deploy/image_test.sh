@@ -36,12 +36,13 @@ podman build -q --layers=false -f "$work/Dockerfile.cpu" -t "$image" "$work" > "
 echo "ok: podman build in $(( $(date +%s) - start )) s, $(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1 / 1e6}')"
 
 podman run -d --name "$name" --network none "$image" > /dev/null
+serving() { podman logs "$name" > "$work/up.log" 2>&1; grep -q '^gateway ' "$work/up.log"; }  # no pipe: grep -q would cut it
 for _ in $(seq 120); do
-  podman logs "$name" 2>&1 | grep -q '^gateway ' && break
+  serving && break
   [ "$(podman inspect --format '{{.State.Running}}' "$name")" = true ] || { podman logs "$name"; fail "the container exited"; }
   sleep 0.5
 done
-podman logs "$name" 2>&1 | grep -q '^gateway ' || { podman logs "$name"; fail "k3serve up did not start serving"; }
+serving || { cat "$work/up.log"; fail "k3serve up did not start serving"; }
 [ "$(podman exec "$name" id -u)" = 10001 ] || fail "the container does not run as user 10001"
 [ "$(podman inspect --format '{{.HostConfig.NetworkMode}}' "$name")" = none ] || fail "the container has a network"
 
@@ -51,5 +52,5 @@ want="$(OPENBLAS_NUM_THREADS=1 "$build/bin/k3serve" local-generate --model "$src
           --prompt-ids 1,2,3 --max-tokens 8 | grep '^tokens:')"
 got="$(echo "$out" | grep '^tokens:')"
 [ -n "$want" ] && [ "$got" = "$want" ] || fail "the image generated '$got', the in-process engine '$want'"
-echo "$out" | grep -q '^finish: length' || fail "no finish line: $out"
+grep -q '^finish: length' <<< "$out" || fail "no finish line: $out"
 echo "ok: the image serves the tiny model with --network none: $got"

@@ -165,7 +165,8 @@ class ScrapeTest : public ::testing::Test {
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = cluster->release();
 
-    // Scrape jobs named after the pools, as the chart's PodMonitor names them.
+    // Scrape jobs named after the pools, as the chart's PodMonitor names them. A cluster with a
+    // gateway and an orchestrator adds k3serve-gateway and k3serve-orchestrator here.
     targets_ = new std::map<std::string, std::vector<int>>{
         {"k3serve-router", {cluster_->router_metrics_port()}},
         {"k3serve-attention", cluster_->attention_metrics_ports()},
