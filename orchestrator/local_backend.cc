@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/tls.h"
 
 namespace k3::orchestrator {
 namespace fs = std::filesystem;
@@ -55,7 +56,7 @@ void LocalBackend::Poll(Pool pool, Member& m) {
     m.ready = true;  // serving its gRPC API; whether it is placed, the router says
     return;
   }
-  auto serving = IsServing(m.address, absl::Milliseconds(300));
+  auto serving = IsServing(m.address, absl::Milliseconds(300), tls::FilesFromFlags().ca);
   m.ready = serving.ok() && *serving;
 }
 

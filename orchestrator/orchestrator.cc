@@ -41,6 +41,8 @@ Orchestrator::Orchestrator(OrchestratorOptions options, Backend& backend, metric
     state_[p];
     m_desired_->WithLabels({PoolName(p)}).Set(controllers_.at(p).desired());
     m_drain_->WithLabels({PoolName(p)});
+    // Known label values start at 0, so that rate() and increase() have a series before the first event.
+    for (const char* d : {"up", "down"}) m_events_->WithLabels({PoolName(p), d});
   }
   backend_.on_drained = [this](Pool p, absl::Duration d) {
     m_drain_->WithLabels({PoolName(p)}).Observe(absl::ToDoubleSeconds(d));

@@ -108,6 +108,16 @@ absl::StatusOr<std::vector<std::string>> WaitReady(const std::string& path, Proc
   return absl::DeadlineExceededError(absl::StrCat(p.name(), " did not become ready (see ", p.log_path(), ")"));
 }
 
+// A ready file that must be there already.
+absl::StatusOr<std::vector<std::string>> ReadReady(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) return absl::NotFoundError(absl::StrCat("no ready file ", path));
+  std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+  if (fields.size() < 2) return absl::DataLossError(absl::StrCat(path, ": \"", line, "\" is not \"grpc_port metrics_port\""));
+  return fields;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions options, absl::Duration timeout) {
@@ -128,9 +138,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
       K3_ASSIGN_OR_RETURN(admin, tls::ChannelCredentials({c->cert_file("admin"), c->key_file("admin"), c->ca_file()}));
     K3_ASSIGN_OR_RETURN(auto pools,
                         WaitPools(c->orchestrator_address_, c->options_.attention, c->options_.experts, timeout, admin));
+    // The nodes' ports, from the ready files the orchestrator's local backend has them write.
     for (const auto& p : pools.pools())
-      if (p.pool() == "attention")
-        for (const auto& r : p.replicas()) c->attention_addresses_.push_back(r.address());
+      for (const auto& r : p.replicas()) {
+        K3_ASSIGN_OR_RETURN(auto fields, ReadReady(absl::StrCat(c->options_.work_dir, "/", r.name(), ".ready")));
+        if (p.pool() == "attention") {
+          c->attention_addresses_.push_back(r.address());
+          c->attention_metrics_.push_back(std::stoi(fields[1]));
+        } else {
+          c->expert_metrics_.push_back(std::stoi(fields[1]));
+        }
+      }
     const absl::Time end = absl::Now() + timeout;
     while (true) {  // the gateway has seen a serving node
       auto serving = IsServing(c->gateway_address_, absl::Seconds(1), c->options_.tls ? c->ca_file() : "");
@@ -192,6 +210,7 @@ absl::Status LocalCluster::StartOrchestrator() {
   for (const auto& f : CredentialFlags("admin")) argv.push_back(f);
   // The nodes it spawns are cluster members: the node credentials.
   std::vector<std::string> attention_args = CredentialFlags("node"), expert_args = CredentialFlags("node");
+  expert_args.push_back("--data-plane=shm");  // every node is on this host (expert_args may say ucx)
   attention_args.insert(attention_args.end(), options_.attention_args.begin(), options_.attention_args.end());
   expert_args.insert(expert_args.end(), options_.expert_args.begin(), options_.expert_args.end());
   argv.push_back("--attention-args=" + absl::StrJoin(attention_args, " "));
