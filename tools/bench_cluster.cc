@@ -121,8 +121,15 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     for (const auto& s : status) K3_RETURN_IF_ERROR(s);
     return Summarize(arrivals, start);
   };
-  K3_ASSIGN_OR_RETURN(const Figures remote, run(false));
-  K3_ASSIGN_OR_RETURN(const Figures gateway, run(true));
+  // Alternating rounds, the best of each kept: on a shared machine one round is noise.
+  Figures remote, gateway;
+  for (int round = 0; round < 2; ++round) {
+    for (bool via_gateway : {false, true}) {
+      K3_ASSIGN_OR_RETURN(const Figures f, run(via_gateway));
+      Figures& best = via_gateway ? gateway : remote;
+      if (f.decode_tok_s > best.decode_tok_s) best = f;
+    }
+  }
 
   // Dispatch cost per MoE layer, from the nodes' own metrics.
   double rt_sum = 0, rt_count = 0, ex_sum = 0, ex_count = 0;
