@@ -99,6 +99,10 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
                 s.attention ? "attention" : "experts", s.attention ? *s.attention : *s.experts, absl::ToDoubleSeconds(took),
                 absl::ToDoubleSeconds(t0 - start), load.ok(), load.failures_between(t0, absl::Now()));
   }
+  // Measured under load: attention time per step against expert time per step.
+  const double ratio = Metric((*cluster)->orchestrator_metrics_port(), "k3serve_attention_expert_ratio");
+  std::printf("balanced attention:expert ratio under load: %.3f\n", ratio);
+  EXPECT_GT(ratio, 0);
   const absl::Duration rest = absl::Seconds(60) - (absl::Now() - start);
   if (rest > absl::ZeroDuration()) absl::SleepFor(rest);
   load.Stop();
