@@ -116,8 +116,13 @@ void Gateway::Refresh() {
           n = std::make_shared<Node>();
           n->id = l.node_id();
           n->address = l.grpc_address();
-          n->channel = grpc::CreateChannel(l.grpc_address(), grpc::InsecureChannelCredentials());
-          n->stub = v1::Inference::NewStub(n->channel);
+          for (int c = 0; c < std::max(1, options_.connections); ++c) {
+            grpc::ChannelArguments args;
+            args.SetInt("k3serve.connection", c);  // distinct arguments: a connection of its own
+            auto channel = grpc::CreateCustomChannel(l.grpc_address(), grpc::InsecureChannelCredentials(), args);
+            if (c == 0) n->channel = channel;
+            n->stubs.push_back(v1::Inference::NewStub(channel));
+          }
           Node* raw = n.get();
           n->watcher = std::thread([raw] { raw->Watch(); });
         }
@@ -183,7 +188,7 @@ grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateReque
     }
     // The client's deadline and cancellation reach the node with the call.
     std::unique_ptr<grpc::ClientContext> up = grpc::ClientContext::FromServerContext(*ctx);
-    auto reader = node->stub->Generate(up.get(), *req);
+    auto reader = node->stub().Generate(up.get(), *req);
     bool sent = false;  // something reached the client: no retry from here on
     v1::GenerateResponse resp;
     bool client_gone = false;
@@ -239,7 +244,7 @@ grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* re
   for (auto& n : targets) {
     auto up = grpc::ClientContext::FromServerContext(*ctx);
     v1::AbortResponse r;
-    if (n->stub->Abort(up.get(), *req, &r).ok() && r.found()) {
+    if (n->stub().Abort(up.get(), *req, &r).ok() && r.found()) {
       resp->set_found(true);
       break;
     }
@@ -255,7 +260,7 @@ grpc::Status Gateway::GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelI
     if (!node) break;
     tried.insert(node->id);
     auto up = grpc::ClientContext::FromServerContext(*ctx);
-    last = node->stub->GetModelInfo(up.get(), *req, resp);
+    last = node->stub().GetModelInfo(up.get(), *req, resp);
     Release(node);
     if (last.ok() || !NodeFailure(last.error_code())) return last;
   }

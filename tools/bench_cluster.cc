@@ -1,10 +1,15 @@
 #include "tools/bench_cluster.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "engine/engine.h"
@@ -58,6 +63,20 @@ std::vector<std::vector<int32_t>> Prompts(int n, int len, int64_t vocab) {
   for (auto& v : p)
     for (auto& t : v) t = static_cast<int32_t>(rng() % vocab);
   return p;
+}
+
+// User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15).
+double CpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t end = stat.rfind(')');  // the command name may hold spaces
+  if (end == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(end + 2));
+  std::string f;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i)
+    if (i >= 14) ticks += std::stod(f);
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 absl::StatusOr<Figures> InProcess(const BenchOptions& o) {
@@ -123,6 +142,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   };
   // Alternating rounds, the best of each kept: on a shared machine one round is noise.
   Figures remote, gateway;
+  const double gateway_cpu0 = CpuSeconds(cluster->gateway().pid());
   for (int round = 0; round < 2; ++round) {
     for (bool via_gateway : {false, true}) {
       K3_ASSIGN_OR_RETURN(const Figures f, run(via_gateway));
@@ -153,6 +173,10 @@ absl::Status RunClusterBench(const BenchOptions& o) {
               gateway.itl_p99_ms, gateway.ttft_p50_ms);
   std::printf("ratio disaggregated / in-process decode tok/s: %.3f\n",
               local.decode_tok_s > 0 ? remote.decode_tok_s / local.decode_tok_s : 0.0);
+  const double gateway_tokens = 2.0 * o.streams * o.max_tokens;
+  std::printf("gateway process CPU: %.2f s for %.0f streamed tokens (%.1f us per token)\n",
+              CpuSeconds(cluster->gateway().pid()) - gateway_cpu0, gateway_tokens,
+              1e6 * (CpuSeconds(cluster->gateway().pid()) - gateway_cpu0) / gateway_tokens);
   std::printf("gateway / direct: decode tok/s %.3f, ITL p50 %.3f\n",
               remote.decode_tok_s > 0 ? gateway.decode_tok_s / remote.decode_tok_s : 0.0,
               remote.itl_p50_ms > 0 ? gateway.itl_p50_ms / remote.itl_p50_ms : 0.0);
