@@ -119,8 +119,13 @@ void Gateway::Refresh() {
           n = std::make_shared<Node>();
           n->id = l.node_id();
           n->address = l.grpc_address();
-          n->channel = tls::NewChannel(l.grpc_address());
-          n->stub = v1::Inference::NewStub(n->channel);
+          for (int c = 0; c < std::max(1, options_.connections); ++c) {
+            grpc::ChannelArguments args;
+            args.SetInt("k3serve.connection", c);  // distinct arguments: a connection of its own
+            auto channel = grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args);
+            if (c == 0) n->channel = channel;
+            n->stubs.push_back(v1::Inference::NewStub(channel));
+          }
           Node* raw = n.get();
           n->watcher = std::thread([raw] { raw->Watch(); });
         }
@@ -195,7 +200,7 @@ grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateReque
     }
     // The client's deadline and cancellation reach the node with the call.
     std::unique_ptr<grpc::ClientContext> up = Upstream(*ctx);
-    auto reader = node->stub->Generate(up.get(), *req);
+    auto reader = node->stub().Generate(up.get(), *req);
     bool sent = false;  // something reached the client: no retry from here on
     v1::GenerateResponse resp;
     bool client_gone = false;
@@ -252,7 +257,7 @@ grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* re
   for (auto& n : targets) {
     auto up = Upstream(*ctx);
     v1::AbortResponse r;
-    if (n->stub->Abort(up.get(), *req, &r).ok() && r.found()) {
+    if (n->stub().Abort(up.get(), *req, &r).ok() && r.found()) {
       resp->set_found(true);
       break;
     }
@@ -269,7 +274,7 @@ grpc::Status Gateway::GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelI
     if (!node) break;
     tried.insert(node->id);
     auto up = Upstream(*ctx);
-    last = node->stub->GetModelInfo(up.get(), *req, resp);
+    last = node->stub().GetModelInfo(up.get(), *req, resp);
     Release(node);
     if (last.ok() || !NodeFailure(last.error_code())) return last;
   }

@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -31,6 +32,7 @@ struct GatewayOptions {
   // Streams opened within this window count as load the next report may not show yet.
   absl::Duration pending_window = absl::Milliseconds(800);
   int max_attempts = 3;  // nodes tried for one request before its first token
+  int connections = 4;   // per attention node
 };
 
 class Gateway final : public v1::Inference::Service {
@@ -54,8 +56,12 @@ class Gateway final : public v1::Inference::Service {
     void Watch();
     std::string id;
     std::string address;
-    std::unique_ptr<v1::Inference::Stub> stub;
-    std::shared_ptr<grpc::Channel> channel;
+    // Several connections: one HTTP/2 connection carrying every stream is read by one thread at
+    // a time on both ends. Streams take them in turn.
+    std::vector<std::unique_ptr<v1::Inference::Stub>> stubs;
+    std::atomic<uint32_t> next_stub{0};
+    v1::Inference::Stub& stub() { return *stubs[next_stub++ % stubs.size()]; }
+    std::shared_ptr<grpc::Channel> channel;  // the first connection (health watch)
     bool draining = false;       // as reported
     std::atomic<bool> healthy{false};  // SERVING, as the health watch last said
     std::atomic<bool> stop_watch{false};

@@ -18,14 +18,15 @@ ABSL_FLAG(int, grpc_port, 50060, "public gRPC port (0: pick one)");
 ABSL_FLAG(int, metrics_port, 9160, "Prometheus /metrics port (0: pick one, -1: off)");
 ABSL_FLAG(int, refresh_ms, 200, "how often the attention nodes' load and health are read");
 ABSL_FLAG(int, max_attempts, 3, "attention nodes tried for one request before its first token");
+ABSL_FLAG(int, connections, 4, "gRPC connections to each attention node (streams take them in turn)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once serving");
 
 int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   k3::InitServiceProcess();
-  if (absl::GetFlag(FLAGS_max_attempts) < 1 || absl::GetFlag(FLAGS_refresh_ms) < 1) {
-    std::fprintf(stderr, "k3serve-gateway: --max-attempts and --refresh-ms must be >= 1\n");
+  if (absl::GetFlag(FLAGS_max_attempts) < 1 || absl::GetFlag(FLAGS_refresh_ms) < 1 || absl::GetFlag(FLAGS_connections) < 1) {
+    std::fprintf(stderr, "k3serve-gateway: --max-attempts, --refresh-ms and --connections must be >= 1\n");
     return 2;
   }
   if (auto s = k3::auth::LoadFromFlags(); !s.ok()) {
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
   opt.router_address = absl::GetFlag(FLAGS_router);
   opt.refresh = absl::Milliseconds(absl::GetFlag(FLAGS_refresh_ms));
   opt.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  opt.connections = absl::GetFlag(FLAGS_connections);
   k3::router::Gateway gateway(opt, registry);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&gateway}, *creds);
   if (!grpc.ok()) {

@@ -185,7 +185,8 @@ TEST(AttentionDrain, SigtermUnderLoadLosesNothing) {
   EXPECT_NE(log.find("0 request(s) ended at the timeout, 0 new request(s) refused"), std::string::npos) << log;
 }
 
-// Streams still running at the drain timeout end with UNAVAILABLE saying so; the node exits.
+// Told to drain (POST /admin/drain): streams still running at the drain timeout end with
+// UNAVAILABLE saying so; the node exits.
 TEST(AttentionDrain, TimeoutEndsTheRemainingStreams) {
   ClusterOptions o = Options(1, 1);
   o.gateway = false;
@@ -200,7 +201,8 @@ TEST(AttentionDrain, TimeoutEndsTheRemainingStreams) {
   });
   while (seen < 5) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   const absl::Time term = absl::Now();
-  (*cluster)->attention(0).Signal(SIGTERM);
+  auto posted = HttpPost("127.0.0.1", (*cluster)->attention_metrics_ports()[0], "/admin/drain");
+  ASSERT_TRUE(posted.ok()) << posted.status();
   stream.join();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();

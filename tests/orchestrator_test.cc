@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -100,6 +101,10 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
                 s.attention ? "attention" : "experts", s.attention ? *s.attention : *s.experts, absl::ToDoubleSeconds(took),
                 absl::ToDoubleSeconds(t0 - start), load.ok(), load.failures_between(t0, absl::Now()));
   }
+  // Measured under load: attention time per step against expert time per step.
+  const double ratio = Metric((*cluster)->orchestrator_metrics_port(), "k3serve_attention_expert_ratio");
+  std::printf("balanced attention:expert ratio under load: %.3f\n", ratio);
+  EXPECT_GT(ratio, 0);
   const absl::Duration rest = absl::Seconds(60) - (absl::Now() - start);
   if (rest > absl::ZeroDuration()) absl::SleepFor(rest);
   load.Stop();
@@ -116,6 +121,52 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
           << pool << " " << dir;
   EXPECT_GE(Metric(m, "k3serve_drain_duration_seconds_count", "pool=\"attention\""), 1);
   EXPECT_EQ(Metric(m, "k3serve_pool_actual_replicas", "pool=\"experts\""), 2);
+}
+
+// The attention pool follows the load by itself: 8 streams against a target of 2 per node grow it
+// to its max, and with the load gone it shrinks back after the cooldown; no request fails.
+TEST(Orchestrator, AttentionPoolFollowsTheLoad) {
+  ClusterOptions o = Orchestrated(1, 2);
+  o.orchestrator_args.insert(o.orchestrator_args.end(),
+                             {"--attention-target-requests=2", "--sustain=2", "--cooldown=3", "--attention-max=2",
+                              "--experts-min=2", "--experts-max=2", "--balance=false"});
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::string orch = (*cluster)->orchestrator_address();
+  auto attention = [&](int* desired, std::string* reason) {
+    auto pools = GetPools(orch);
+    int actual = -1;
+    if (pools.ok())
+      for (const auto& p : pools->pools())
+        if (p.pool() == "attention") {
+          actual = p.actual();
+          *desired = p.desired();
+          *reason = p.last_reason();
+        }
+    return actual;
+  };
+  const absl::Time start = absl::Now();
+  auto load = std::make_unique<testing::LoadLoop>((*cluster)->gateway_address(), EnginePrompts(), 8);
+  int desired = 0;
+  std::string reason;
+  while (!(attention(&desired, &reason) == 2 && desired == 2) && absl::Now() - start < absl::Seconds(30))
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const absl::Duration up = absl::Now() - start;
+  ASSERT_EQ(desired, 2) << "the attention pool did not grow under load";
+  EXPECT_EQ(reason, "load_high");
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  load->Stop();
+  const auto failures = load->failures();
+  const int done = load->ok();
+  load.reset();
+  const absl::Time idle = absl::Now();
+  while (!(attention(&desired, &reason) == 1 && desired == 1) && absl::Now() - idle < absl::Seconds(30))
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::printf("attention 1 -> 2 after %.1f s of load, back to 1 %.1f s after it stopped; %d requests, %zu failed\n",
+              absl::ToDoubleSeconds(up), absl::ToDoubleSeconds(absl::Now() - idle), done, failures.size());
+  EXPECT_EQ(desired, 1) << "the attention pool did not shrink without load";
+  EXPECT_EQ(reason, "load_low");
+  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures[0];
 }
 
 // SIGKILL of an expert node under load: the orchestrator restarts it and the router re-places;

@@ -1,10 +1,15 @@
 #include "tools/bench_cluster.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "engine/engine.h"
@@ -58,6 +63,20 @@ std::vector<std::vector<int32_t>> Prompts(int n, int len, int64_t vocab) {
   for (auto& v : p)
     for (auto& t : v) t = static_cast<int32_t>(rng() % vocab);
   return p;
+}
+
+// User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15).
+double CpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t end = stat.rfind(')');  // the command name may hold spaces
+  if (end == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(end + 2));
+  std::string f;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i)
+    if (i >= 14) ticks += std::stod(f);
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 absl::StatusOr<Figures> InProcess(const BenchOptions& o) {
@@ -160,6 +179,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   const std::string remote_name = absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E");
 
   Range ratio, overhead, local_tok, remote_tok;
+  const double gateway_cpu0 = CpuSeconds(cluster->gateway().pid());
   for (int rep = 0; rep < std::max(1, o.repeats); ++rep) {
     // Alternating, so that the machine's load changes hit both alike.
     K3_ASSIGN_OR_RETURN(Figures local, InProcess(o));
@@ -203,6 +223,10 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     local_tok.Add(local.decode_tok_s);
     remote_tok.Add(remote.decode_tok_s);
   }
+  const double gateway_tokens = static_cast<double>(std::max(1, o.repeats)) * o.streams * o.max_tokens;
+  const double gateway_cpu = CpuSeconds(cluster->gateway().pid()) - gateway_cpu0;
+  std::printf("\ngateway process CPU: %.2f s for %.0f streamed tokens (%.1f us per token)\n", gateway_cpu, gateway_tokens,
+              1e6 * gateway_cpu / gateway_tokens);
   if (o.repeats > 1) {
     std::printf("\nover %d repeats (min - max): in-process %.1f - %.1f tok/s, %s %.1f - %.1f tok/s, ratio %.3f - %.3f, "
                 "overhead %.1f - %.1f us\n",

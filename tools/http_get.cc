@@ -10,7 +10,9 @@
 
 namespace k3 {
 
-absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path) {
+namespace {
+
+absl::StatusOr<std::string> HttpRequest(const std::string& method, const std::string& host, int port, const std::string& path) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return absl::InternalError("socket failed");
   sockaddr_in addr{};
@@ -21,7 +23,7 @@ absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std
     ::close(fd);
     return absl::UnavailableError(absl::StrCat("connect ", host, ":", port, ": ", std::strerror(errno)));
   }
-  const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", host, "\r\n\r\n");
+  const std::string req = absl::StrCat(method, " ", path, " HTTP/1.0\r\nHost: ", host, "\r\nContent-Length: 0\r\n\r\n");
   if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
     ::close(fd);
     return absl::UnavailableError("send failed");
@@ -35,6 +37,16 @@ absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std
   if (resp.rfind("HTTP/1.", 0) != 0 || body == std::string::npos) return absl::DataLossError("malformed HTTP response");
   if (resp.compare(9, 3, "200") != 0) return absl::UnavailableError(absl::StrCat("HTTP ", resp.substr(9, 3)));
   return resp.substr(body + 4);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path) {
+  return HttpRequest("GET", host, port, path);
+}
+
+absl::StatusOr<std::string> HttpPost(const std::string& host, int port, const std::string& path) {
+  return HttpRequest("POST", host, port, path);
 }
 
 double MetricValue(const std::string& exposition, const std::string& name, const std::string& label_filter) {

@@ -8,6 +8,8 @@
 namespace k3 {
 
 absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path);
+// POST with an empty body (admin endpoints such as an attention node's /admin/drain).
+absl::StatusOr<std::string> HttpPost(const std::string& host, int port, const std::string& path);
 // The value of a sample line "name{labels} value" or "name value" in a text exposition; the sum
 // over every series of that name whose line contains `label_filter`.
 double MetricValue(const std::string& exposition, const std::string& name, const std::string& label_filter = "");
