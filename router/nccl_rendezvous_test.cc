@@ -5,10 +5,17 @@
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <gtest/gtest.h>
+
+#include "tools/local_cluster.h"
 
 namespace k3::dataplane {
 namespace {
@@ -190,6 +197,65 @@ TEST(NcclRendezvous, UnreachableAndSilentServersTimeOut) {
   release = true;
   ASSERT_FALSE(late.ok());
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+}
+
+// A k3serve-nccl-rendezvous-peer process and the value of the first log line starting with prefix.
+std::pair<std::unique_ptr<Process>, std::string> StartPeer(const std::string& name, const std::string& mode,
+                                                           const std::string& address, const std::string& prefix) {
+  const std::string log = (std::filesystem::temp_directory_path() / ("k3_" + name + ".log")).string();
+  auto p = Process::Spawn(name, {K3SERVE_NCCL_PEER, mode, address}, log);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (!p.ok()) return {};
+  std::string value;
+  for (int i = 0; i < 500 && value.empty() && (*p)->alive(); ++i) {
+    std::ifstream in(log);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind(prefix, 0) == 0) value = line.substr(prefix.size());
+    if (value.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_FALSE(value.empty()) << name << " did not start; see " << log;
+  return {std::move(*p), value};
+}
+
+// The expert node's process is SIGKILLed: the attention node hears of it from the broken stream, at
+// once rather than at a timeout (NCCL itself would wait on the dead peer).
+TEST(NcclRendezvous, SigkilledServerProcessIsLostAtOnce) {
+  auto [peer, address] = StartPeer("nccl-peer-server", "--listen", "127.0.0.1:0", "listening on ");
+  ASSERT_FALSE(address.empty());
+  std::mutex mu;
+  std::optional<absl::Status> lost;
+  auto c = NcclRendezvousClient::Open(address, {Id('k'), "attn", 0}, absl::Seconds(5), [&](absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    lost = s;
+  });
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->accepted().max_rows, 64);
+  const auto t0 = std::chrono::steady_clock::now();
+  peer->Signal(SIGKILL);
+  ASSERT_TRUE(Eventually([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return lost.has_value();
+  }));
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("SIGKILLed expert-side peer lost after %.1f ms\n", ms);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(lost->code(), absl::StatusCode::kUnavailable) << *lost;
+  EXPECT_NE(lost->message().find("peer"), std::string::npos) << *lost;  // names the node
+}
+
+// The attention node's process is SIGKILLed: the expert node closes that session.
+TEST(NcclRendezvous, SigkilledClientProcessClosesItsSession) {
+  Recorder rec;
+  auto server = NcclRendezvousServer::Start("127.0.0.1:0", rec.OnOpen(), rec.OnClosed());
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto [peer, session] = StartPeer("nccl-peer-client", "--connect", (*server)->address(), "open ");
+  ASSERT_EQ(session, "1");
+  EXPECT_EQ(rec.n_closed(), 0u);
+  peer->Signal(SIGKILL);
+  ASSERT_TRUE(Eventually([&] { return rec.n_closed() == 1; }));
+  std::lock_guard<std::mutex> lock(rec.mu);
+  EXPECT_EQ(rec.closed[0].first, 1u);
+  EXPECT_EQ(rec.opened[0].unique_id, std::string(kNcclUniqueIdBytes, 'p'));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "router/nccl_transport.h"
 
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <atomic>
@@ -42,6 +43,14 @@ struct DeviceBuffer {
     return absl::OkStatus();
   }
 };
+
+// ncclCommRevoke (NCCL 2.28) when the libnccl loaded has it: looked up at run time, so that the binaries also
+// start with an older NCCL (the GPU machine's own), which then falls back to ncclCommAbort.
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+RevokeFn Revoke() {
+  static const RevokeFn fn = reinterpret_cast<RevokeFn>(dlsym(RTLD_DEFAULT, "ncclCommRevoke"));
+  return fn;
+}
 
 }  // namespace
 
@@ -191,18 +200,16 @@ class NcclLink {
     status_ = why.code() == absl::StatusCode::kCancelled
                   ? why
                   : absl::UnavailableError(absl::StrCat("NCCL link to ", peer_, ": ", why.message()));
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
     // Revoke ends the kernels that wait on the peer, and those still queued behind them exit at once; the
     // communicator's memory stays until the destructor, when the streams have drained.
-    if (ready_ && comm_) {
-      const ncclResult_t r = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+    if (ready_ && comm_ && Revoke()) {
+      const ncclResult_t r = Revoke()(comm_, 0);  // NCCL_REVOKE_DEFAULT
       if (r == ncclSuccess || r == ncclInProgress) {
         aborted_done_ = true;
         return;
       }
     }
-#endif
-    // Not set up yet (no kernel of it can be queued), or NCCL before 2.28: abort frees it now; with an
+    // Not set up yet (no kernel of it can be queued), or no revoke in this NCCL: abort frees it now; with an
     // older NCCL a kernel of it still queued on a stream may then fault.
     if (comm_) ncclCommAbort(comm_);
     comm_ = nullptr;
