@@ -30,9 +30,6 @@ absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const Sampling
       return absl::InvalidArgumentError(
           absl::StrCat("prompt_ids[", i, "] = ", prompt[i], " is outside the vocabulary [0, ", V, ")"));
   K3_RETURN_IF_ERROR(ValidateSampling(p, V));
-  if (options_.max_prompt_tokens > 0 && static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens)
-    return absl::InvalidArgumentError(absl::StrCat("prompt_ids has ", prompt.size(), " tokens; the limit is ",
-                                                   options_.max_prompt_tokens, " (--max-prompt-tokens)"));
   if (p.max_new_tokens > options_.max_new_tokens_limit)
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens = ", p.max_new_tokens, " exceeds the limit ", options_.max_new_tokens_limit));
@@ -42,6 +39,9 @@ absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const Sampling
   if (static_cast<int64_t>(prompt.size()) + p.max_new_tokens > max_context_)
     return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt.size(), ") + max_tokens (", p.max_new_tokens,
                                                    ") exceeds the context limit ", max_context_));
+  if (options_.max_prompt_tokens > 0 && static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens)
+    return absl::InvalidArgumentError(absl::StrCat("prompt_ids has ", prompt.size(), " tokens; the limit is ",
+                                                   options_.max_prompt_tokens, " (--max-prompt-tokens)"));
   return absl::OkStatus();
 }
 

@@ -522,6 +522,17 @@ TEST(Security, TlsClusterWithApiKeys) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   std::printf("refused  %-40s %d %s\n", "a node certificate of another CA", s.error_code(), s.error_message().c_str());
 
+  // SIGHUP re-validates the files; the node keeps serving.
+  c.attention(0).Signal(SIGHUP);
+  bool reread = false;
+  for (absl::Time end = absl::Now() + absl::Seconds(5); !reread && absl::Now() < end;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    reread = ReadAll(c.attention(0).log_path()).find("SIGHUP: TLS files re-read") != std::string::npos;
+  }
+  EXPECT_TRUE(reread);
+  auto after_hup = client.Generate({1, 2, 3}, Greedy(2), absl::Seconds(30));
+  EXPECT_TRUE(after_hup.ok()) << after_hup.status();
+
   // A bad certificate is a startup error naming the file.
   auto bad = Process::Spawn("bad-cert", {std::string(K3SERVE_BIN_DIR) + "/k3serve-router", "--model=" + Model(),
                                          "--tls-cert=" + dir + "/api.keys", "--tls-key=" + c.key_file("admin"),
