@@ -13,6 +13,11 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <tuple>
+
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -124,6 +129,29 @@ std::vector<std::string> ListeningAddresses(pid_t pid) {
     }
   }
   return out;
+}
+
+// A self-signed certificate that expired yesterday, and its key.
+void WriteExpiredCertificate(const std::string& cert_path, const std::string& key_path) {
+  EVP_PKEY* key = EVP_EC_gen("P-256");
+  X509* x = X509_new();
+  X509_set_version(x, 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(x), 1);
+  X509_gmtime_adj(X509_getm_notBefore(x), -2 * 86400);
+  X509_gmtime_adj(X509_getm_notAfter(x), -86400);
+  X509_NAME_add_entry_by_txt(X509_get_subject_name(x), "CN", MBSTRING_ASC,
+                             reinterpret_cast<const unsigned char*>("expired"), -1, -1, 0);
+  X509_set_issuer_name(x, X509_get_subject_name(x));
+  X509_set_pubkey(x, key);
+  X509_sign(x, key, EVP_sha256());
+  FILE* f = std::fopen(cert_path.c_str(), "w");
+  PEM_write_X509(f, x);
+  std::fclose(f);
+  f = std::fopen(key_path.c_str(), "w");
+  PEM_write_PrivateKey(f, key, nullptr, nullptr, 0, nullptr, nullptr);
+  std::fclose(f);
+  X509_free(x);
+  EVP_PKEY_free(key);
 }
 
 template <class Call>
@@ -533,16 +561,21 @@ TEST(Security, TlsClusterWithApiKeys) {
   auto after_hup = client.Generate({1, 2, 3}, Greedy(2), absl::Seconds(30));
   EXPECT_TRUE(after_hup.ok()) << after_hup.status();
 
-  // A bad certificate is a startup error naming the file.
-  auto bad = Process::Spawn("bad-cert", {std::string(K3SERVE_BIN_DIR) + "/k3serve-router", "--model=" + Model(),
-                                         "--tls-cert=" + dir + "/api.keys", "--tls-key=" + c.key_file("admin"),
-                                         "--grpc-port=0", "--metrics-port=-1"},
-                            dir + "/bad-cert.log");
-  ASSERT_TRUE(bad.ok());
-  EXPECT_EQ((*bad)->Wait(absl::Seconds(20)), 2);
-  const std::string bad_log = ReadAll(dir + "/bad-cert.log");
-  EXPECT_NE(bad_log.find(dir + "/api.keys"), std::string::npos) << bad_log;
-  std::printf("bad certificate: %s", bad_log.c_str());
+  // A bad or expired certificate is a startup error naming the file.
+  WriteExpiredCertificate(dir + "/expired.pem", dir + "/expired.key");
+  for (const auto& [cert, key, want] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {dir + "/api.keys", c.key_file("admin"), "holds no PEM certificate"},
+           {dir + "/expired.pem", dir + "/expired.key", "has expired"}}) {
+    auto bad = Process::Spawn("bad-cert", {std::string(K3SERVE_BIN_DIR) + "/k3serve-router", "--model=" + Model(),
+                                           "--tls-cert=" + cert, "--tls-key=" + key, "--grpc-port=0", "--metrics-port=-1"},
+                              dir + "/bad-cert.log");
+    ASSERT_TRUE(bad.ok());
+    EXPECT_EQ((*bad)->Wait(absl::Seconds(20)), 2);
+    const std::string bad_log = ReadAll(dir + "/bad-cert.log");
+    EXPECT_NE(bad_log.find(cert), std::string::npos) << bad_log;
+    EXPECT_NE(bad_log.find(want), std::string::npos) << bad_log;
+    std::printf("startup error: %s", bad_log.c_str());
+  }
 }
 
 }  // namespace
