@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "common/flags.h"
 #include "common/signals.h"
+#include "common/tls.h"
 #include "engine/engine.h"
 #include "tools/bench_cluster.h"
 #include "tools/client.h"
@@ -35,6 +36,7 @@ ABSL_FLAG(double, timeout, 60.0, "request deadline in seconds (generate)");
 ABSL_FLAG(int, attention, 1, "attention nodes (up, bench)");
 ABSL_FLAG(int, experts, 2, "expert nodes (up, bench)");
 ABSL_FLAG(int, port, 50051, "first attention node's gRPC port (up; 0: pick)");
+ABSL_FLAG(std::string, api_key, "", "generate: sent as authorization: Bearer (attention nodes with --api-keys-file)");
 ABSL_FLAG(bool, tls, false, "up: a throwaway CA and certificates; mTLS between the nodes, TLS on the public API");
 ABSL_FLAG(int, streams, 16, "concurrent streams (bench)");
 ABSL_FLAG(int, prompt_len, 64, "prompt tokens per stream (bench)");
@@ -107,7 +109,9 @@ int Up() {
 int Generate() {
   auto ids = ParseIds(absl::GetFlag(FLAGS_prompt_ids));
   if (!ids.ok()) return Error(ids.status());
-  InferenceClient client(absl::GetFlag(FLAGS_addr));
+  // --tls-ca (and --tls-cert/--tls-key) make it a TLS client, e.g. of `k3serve up --tls`.
+  if (auto creds = tls::ChannelCredentialsFromFlags(); !creds.ok()) return Error(creds.status());
+  InferenceClient client(tls::NewChannel(absl::GetFlag(FLAGS_addr)), absl::GetFlag(FLAGS_api_key));
   const auto t0 = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point first;
   int n = 0;
@@ -181,7 +185,7 @@ int Bench() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "k3serve <command> [flags]\n"
-      "  up --model DIR [--attention M --experts N --port 50051]     start a local cluster; Ctrl-C stops it\n"
+      "  up --model DIR [--attention M --experts N --port 50051 --tls] start a local cluster; Ctrl-C stops it\n"
       "  generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N  stream tokens from a server\n"
       "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2]\n"
       "  local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N  the in-process engine, no services\n"
