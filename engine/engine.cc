@@ -30,9 +30,6 @@ absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const Sampling
       return absl::InvalidArgumentError(
           absl::StrCat("prompt_ids[", i, "] = ", prompt[i], " is outside the vocabulary [0, ", V, ")"));
   K3_RETURN_IF_ERROR(ValidateSampling(p, V));
-  if (options_.max_prompt_tokens > 0 && static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens)
-    return absl::InvalidArgumentError(absl::StrCat("prompt_ids has ", prompt.size(), " tokens; the limit is ",
-                                                   options_.max_prompt_tokens, " (--max-prompt-tokens)"));
   if (p.max_new_tokens > options_.max_new_tokens_limit)
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens = ", p.max_new_tokens, " exceeds the limit ", options_.max_new_tokens_limit));
@@ -42,6 +39,9 @@ absl::Status Engine::Validate(const std::vector<int32_t>& prompt, const Sampling
   if (static_cast<int64_t>(prompt.size()) + p.max_new_tokens > max_context_)
     return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt.size(), ") + max_tokens (", p.max_new_tokens,
                                                    ") exceeds the context limit ", max_context_));
+  if (options_.max_prompt_tokens > 0 && static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens)
+    return absl::InvalidArgumentError(absl::StrCat("prompt_ids has ", prompt.size(), " tokens; the limit is ",
+                                                   options_.max_prompt_tokens, " (--max-prompt-tokens)"));
   return absl::OkStatus();
 }
 
@@ -115,8 +115,8 @@ std::vector<StepOutput> Engine::Step() {
   std::vector<StepOutput> out;
   ExpireDeadlines(&out);
   const ModelConfig& c = backend_.config();
-  // Decode tokens first (1 each), then prefill chunks fill what is left of the token budget, in
-  // admission order. A sequence starts running (gets state) when it first enters a batch.
+  // Decode tokens first (1 each), then prefill chunks fill what is left of the token budget. A
+  // sequence starts running (gets state) when it first enters a batch.
   int64_t budget = options_.max_batch_tokens, running = 0;
   std::vector<Sequence*> batch;
   std::vector<BatchChunk> chunks;
@@ -134,19 +134,29 @@ std::vector<StepOutput> Engine::Step() {
     ++running;
     if (pending(s) == 1 && budget > 0) add(s, 1);
   }
-  for (uint64_t id : order_) {
-    if (budget <= 0) break;
-    Sequence& s = *sequences_.at(id);
-    if (s.state >= 0 && pending(s) == 1) continue;  // a decode, batched above
-    if (s.state < 0) {
-      if (running >= options_.max_running) break;
-      auto state = backend_.NewSequence();
-      if (!state.ok()) break;  // the backend is full: wait for a sequence to finish
-      s.state = *state;
-      ++running;
+  // Prompts that fit in a quarter of the budget go before longer ones (whose first token is far
+  // off anyway), so that a short request is not queued behind a long prefill; each group keeps
+  // admission order, so no prompt waits behind later ones of its own kind.
+  const int64_t short_prompt = std::max<int64_t>(1, options_.max_batch_tokens / 4);
+  bool full = false;  // no state for another sequence: admit nobody further
+  for (bool short_pass : {true, false})
+    for (uint64_t id : order_) {
+      if (budget <= 0 || full) break;
+      Sequence& s = *sequences_.at(id);
+      if (s.state >= 0 && pending(s) == 1) continue;  // a decode, batched above
+      if ((pending(s) <= short_prompt) != short_pass) continue;
+      if (s.state < 0) {
+        if (running >= options_.max_running) continue;  // running ones may still prefill
+        auto state = backend_.NewSequence();
+        if (!state.ok()) {  // the backend is full: wait for a sequence to finish
+          full = true;
+          break;
+        }
+        s.state = *state;
+        ++running;
+      }
+      add(s, std::min(pending(s), budget));
     }
-    add(s, std::min(pending(s), budget));
-  }
   if (batch.empty()) return out;
 
   std::vector<float> logits;

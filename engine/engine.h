@@ -3,8 +3,9 @@
 //
 // Each Step() runs one ragged batch that mixes decode tokens of running sequences and prefill
 // chunks of new ones (chunked prefill under a token budget), samples, and reports new tokens.
-// Decode tokens go first and prefill chunks fill the rest of the budget, so a long prompt delays
-// the others' next token by at most one chunk.
+// Decode tokens go first and prefill chunks fill the rest of the budget (short prompts before long
+// ones), so a long prompt delays the others' next token, and a short prompt's first, by at most
+// one chunk.
 // Not thread-safe: one thread owns the engine and calls Add/Abort/Step.
 #pragma once
 

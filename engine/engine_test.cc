@@ -251,9 +251,15 @@ TEST(Engine, DecodesFirstPrefillFillsTheRest) {
     }
     ++steps;
     EXPECT_TRUE(got.count(1) && got.count(2)) << "step " << steps << " starved a decoding sequence";
+    if (steps == 2) {
+      // A short prompt arriving mid-prefill gets its first token in the next step.
+      ASSERT_TRUE(e.Add(4, Ids(5, 4), Greedy(1)).ok());
+    } else if (steps == 3) {
+      EXPECT_TRUE(got.count(4)) << "the short prompt waited behind the long prefill";
+    }
   }
-  // 300 prompt tokens at 32 - 2 per step.
-  EXPECT_EQ(steps, (300 + 29) / 30);
+  // 300 prompt tokens at 32 - 2 per step (one step 32 - 2 - 5).
+  EXPECT_EQ(steps, (300 + 5 + 29) / 30);
 }
 
 TEST(Engine, PromptLimitAndDeadlines) {

@@ -8,7 +8,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev ucx-utils libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev nlohmann-json3-dev
   libopenblas-dev prometheus python3 python3-grpcio python3-grpc-tools
-  prometheus-cpp-dev podman runc debootstrap openssl unzip
+  prometheus-cpp-dev podman runc debootstrap openssl libssl-dev unzip
 )
 
 missing=()

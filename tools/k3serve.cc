@@ -39,6 +39,7 @@ ABSL_FLAG(double, timeout, 60.0, "request deadline in seconds (generate); how lo
 ABSL_FLAG(int, attention, 1, "attention nodes (up, bench)");
 ABSL_FLAG(int, experts, 2, "expert nodes (up, bench)");
 ABSL_FLAG(int, port, 50051, "the gateway's gRPC port, the address to call (up; 0: pick)");
+ABSL_FLAG(std::string, api_key, "", "generate: sent as authorization: Bearer (servers with --api-keys-file)");
 ABSL_FLAG(bool, tls, false, "up: a throwaway CA and certificates; mTLS between the nodes, TLS on the public API");
 ABSL_FLAG(std::string, orchestrator, "127.0.0.1:50070", "orchestrator admin address (scale)");
 ABSL_FLAG(int, streams, 16, "concurrent streams (bench)");
@@ -147,7 +148,9 @@ int Scale() {
 int Generate() {
   auto ids = ParseIds(absl::GetFlag(FLAGS_prompt_ids));
   if (!ids.ok()) return Error(ids.status());
-  InferenceClient client(absl::GetFlag(FLAGS_addr));
+  // --tls-ca (and --tls-cert/--tls-key) make it a TLS client, e.g. of `k3serve up --tls`.
+  if (auto creds = tls::ChannelCredentialsFromFlags(); !creds.ok()) return Error(creds.status());
+  InferenceClient client(tls::NewChannel(absl::GetFlag(FLAGS_addr)), absl::GetFlag(FLAGS_api_key));
   const auto t0 = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point first;
   int n = 0;
@@ -223,7 +226,7 @@ int Bench() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "k3serve <command> [flags]\n"
-      "  up --model DIR [--attention M --experts N --port 50051]     start a local cluster; Ctrl-C stops it\n"
+      "  up --model DIR [--attention M --experts N --port 50051 --tls] start a local cluster; Ctrl-C stops it\n"
       "  scale --orchestrator HOST:PORT [--attention M] [--experts N] [--timeout S]   returns once reached\n"
       "  generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N  stream tokens from a server\n"
       "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2 --data-plane shm --repeats 1]\n"

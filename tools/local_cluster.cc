@@ -134,8 +134,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(ClusterOptions
     K3_RETURN_IF_ERROR(c->StartOrchestrator());
     K3_RETURN_IF_ERROR(c->StartGateway());
     std::shared_ptr<grpc::ChannelCredentials> admin = grpc::InsecureChannelCredentials();
-    if (c->options_.tls)
+    if (c->options_.tls) {
       K3_ASSIGN_OR_RETURN(admin, tls::ChannelCredentials({c->cert_file("admin"), c->key_file("admin"), c->ca_file()}));
+    }
     K3_ASSIGN_OR_RETURN(auto pools,
                         WaitPools(c->orchestrator_address_, c->options_.attention, c->options_.experts, timeout, admin));
     // The nodes' ports, from the ready files the orchestrator's local backend has them write.

@@ -98,6 +98,9 @@ class LocalCluster {
   Process& orchestrator() { return *orchestrator_; }
 
   absl::Status AddExpert();
+  // The flags that give a process of this cluster its credentials: identity "node" or "admin"
+  // (the router, and an orchestrator).
+  std::vector<std::string> CredentialFlags(const std::string& identity) const;
   // Flags of the next router started (RestartRouter).
   std::vector<std::string>& router_args() { return options_.router_args; }
   // Kills the router (SIGKILL) and starts a new one on the same port.
@@ -109,8 +112,6 @@ class LocalCluster {
   explicit LocalCluster(ClusterOptions options) : options_(std::move(options)) {}
   absl::Status StartRouter(int port);
   absl::Status MakeCredentials();
-  // The flags that give a process its credentials: identity "node" or "admin".
-  std::vector<std::string> CredentialFlags(const std::string& identity) const;
   absl::Status StartGateway();
   absl::Status StartOrchestrator();
   absl::StatusOr<std::unique_ptr<Process>> StartNode(const std::string& kind, int index, const std::vector<std::string>& extra,

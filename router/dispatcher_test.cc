@@ -1,0 +1,154 @@
+// The dispatcher against real UCX endpoints and a real expert node: a hung node (it takes rows and
+// never answers) is timed out and reported, and the dispatch retried on its replica; with no
+// replica left the dispatch fails UNAVAILABLE naming the node. Older placements are refused.
+#include "router/dispatcher.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/time/clock.h"
+#include "expert_service/expert_node.h"
+#include "router/ucx_transport.h"
+#include "tests/testing.h"
+
+namespace k3::router {
+namespace {
+
+std::string Tiny() { return testing::SourceDir() + "/tests/data/tiny-kimi-linear"; }
+
+struct Fixture {
+  ModelConfig config;
+  std::shared_ptr<const Checkpoint> ckpt;
+  metrics::Registry registry;
+  std::unique_ptr<dataplane::Transport> transport;
+  std::unique_ptr<ExpertNode> good;
+  std::unique_ptr<dataplane::Server> hung;
+  std::atomic<int> hung_messages{0};
+  int32_t moe_layer = -1;
+
+  Fixture() {
+    config = *LoadModelConfig(Tiny());
+    ckpt = std::make_shared<const Checkpoint>(*Checkpoint::Open(Tiny()));
+    transport = *dataplane::NewUcxTransport();
+    ExpertNodeOptions eopt;
+    eopt.node_id = "good";
+    good = std::make_unique<ExpertNode>(config, ckpt, eopt, registry);
+    EXPECT_TRUE(good->Listen(*transport, "127.0.0.1:0").ok());
+    grpc::ServerContext ctx;  // no credentials configured: the admin check is open
+    v1::LoadSlotsRequest req;
+    req.set_version(1);
+    for (int32_t l = 0; l < config.num_layers; ++l) {
+      if (config.mlp[l] != Mlp::kMoe) continue;
+      if (moe_layer < 0) moe_layer = l;
+      for (int32_t e = 0; e < config.num_experts; ++e) {
+        auto* s = req.add_slots();
+        s->set_layer(l);
+        s->set_expert(e);
+      }
+    }
+    v1::LoadSlotsResponse resp;
+    EXPECT_TRUE(good->LoadSlots(&ctx, &req, &resp).ok());
+    dataplane::ServerCallbacks cb;
+    cb.on_message = [this](dataplane::ConnectionId, dataplane::Buffer) { hung_messages++; };
+    hung = *transport->Listen("127.0.0.1:0", cb);
+  }
+  ~Fixture() {
+    hung.reset();
+    good.reset();
+  }
+
+  // nodes: "hung" and/or "good"; every expert on each of them.
+  std::shared_ptr<const PlacementTable> Placement(uint64_t version, const std::vector<std::string>& nodes) {
+    auto t = std::make_shared<PlacementTable>();
+    t->version = version;
+    for (const auto& n : nodes) t->nodes.push_back({n, n == "hung" ? hung->address() : good->data_address(), ""});
+    t->replicas.resize(config.num_layers);
+    for (int32_t l = 0; l < config.num_layers; ++l) {
+      if (config.mlp[l] != Mlp::kMoe) continue;
+      t->replicas[l].resize(config.num_experts);
+      for (auto& r : t->replicas[l])
+        for (int32_t i = 0; i < static_cast<int32_t>(nodes.size()); ++i) r.push_back(i);
+    }
+    return t;
+  }
+};
+
+TEST(Dispatcher, HungNodeIsRetriedOnItsReplica) {
+  Fixture f;
+  std::mutex mu;
+  std::vector<std::string> reported;
+  DispatcherOptions opt;
+  opt.timeout = absl::Milliseconds(300);
+  opt.on_node_failure = [&](const std::string& node, const absl::Status&) {
+    std::lock_guard<std::mutex> lock(mu);
+    reported.push_back(node);
+  };
+  Dispatcher d(f.config, *f.transport, opt);
+  ASSERT_TRUE(d.SetPlacement(f.Placement(2, {"hung", "good"})).ok());
+  EXPECT_TRUE(d.ready());
+  EXPECT_TRUE(absl::IsFailedPrecondition(d.SetPlacement(f.Placement(1, {"good"}))));  // older: ignored
+  EXPECT_EQ(d.placement_version(), 2u);
+
+  const int64_t rows = 6, k = f.config.top_k, X = f.config.expert_width();
+  const std::vector<float> x = testing::Random(rows * X, 7);
+  std::vector<int32_t> idx(rows * k);
+  std::vector<float> w(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) {
+    idx[i] = static_cast<int32_t>((i * 5 + i / k) % f.config.num_experts);
+    w[i] = 0.25f + 0.1f * static_cast<float>(i % k);
+  }
+  const ExpertRequest req{f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()};
+  auto weights = LoadWeights(f.config, f.ckpt, WeightFilter::ExpertsOnly([](int64_t, int64_t) { return true; }));
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  LocalExpertExecutor local(f.config, **weights);
+  std::vector<float> want(rows * X), got(rows * X);
+  ASSERT_TRUE(local.Run(req, want.data()).ok());
+
+  const absl::Time t0 = absl::Now();
+  auto ticket = d.Submit(req);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  const absl::Status s = d.Wait(*ticket, got.data());
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_GT(f.hung_messages, 1) << "the hung node got no rows (the Hello and a part)";
+  EXPECT_LT(testing::MaxAbsDiff(got, want), 1e-5);
+  EXPECT_GE(took, absl::Milliseconds(300));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(reported, std::vector<std::string>{"hung"});
+  }
+  std::printf("hung node: timed out after %s, retried on the replica: ok in %s\n",
+              absl::FormatDuration(opt.timeout).c_str(), absl::FormatDuration(took).c_str());
+  // Suspect now: the next dispatch goes to the replica alone, at once.
+  const absl::Time t1 = absl::Now();
+  ticket = d.Submit(req);
+  ASSERT_TRUE(ticket.ok());
+  EXPECT_TRUE(d.Wait(*ticket, got.data()).ok());
+  EXPECT_LT(absl::Now() - t1, absl::Milliseconds(300));
+}
+
+TEST(Dispatcher, HungNodeWithoutReplicaFailsUnavailableNamingIt) {
+  Fixture f;
+  DispatcherOptions opt;
+  opt.timeout = absl::Milliseconds(200);
+  Dispatcher d(f.config, *f.transport, opt);
+  ASSERT_TRUE(d.SetPlacement(f.Placement(1, {"hung"})).ok());
+  const int64_t rows = 2, k = f.config.top_k, X = f.config.expert_width();
+  const std::vector<float> x = testing::Random(rows * X, 8);
+  std::vector<int32_t> idx(rows * k, 0);
+  for (int64_t i = 0; i < rows * k; ++i) idx[i] = static_cast<int32_t>(i % f.config.num_experts);
+  std::vector<float> w(rows * k, 0.5f), out(rows * X);
+  auto ticket = d.Submit({f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()});
+  ASSERT_TRUE(ticket.ok());
+  const absl::Status s = d.Wait(*ticket, out.data());
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_NE(s.message().find("expert node hung did not answer within 200ms"), std::string::npos) << s;
+  EXPECT_FALSE(d.ready());  // the node is suspect until a new placement or its time runs out
+}
+
+}  // namespace
+}  // namespace k3::router
