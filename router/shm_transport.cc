@@ -36,6 +36,7 @@ namespace k3::dataplane {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr auto kContended = std::chrono::microseconds(50);
 
 // ---- the shared mapping ----
 
@@ -566,6 +567,12 @@ void ShmTransport::Loop() {
       last_work = Clock::now();
     } else {
       sched_yield();  // as in the UCX transport: let a runnable thread on this CPU go first
+      // A yield that took long means the CPUs are oversubscribed: a thread that polls there waits
+      // behind the others when its message comes, one that sleeps is woken ahead of them.
+      if (Clock::now() - now > kContended) {
+        Sleep();
+        last_work = Clock::now();
+      }
     }
   }
 }
