@@ -14,9 +14,6 @@
 namespace k3 {
 namespace {
 
-// An attention node counts as sending while its last request is this recent.
-constexpr int64_t kSendingNs = 10'000'000;
-
 int64_t MonotonicNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -163,7 +160,7 @@ void ExpertNode::Worker() {
 bool ExpertNode::WindowCanClose(uint32_t layer, int64_t now_ns) const {
   // A sending attention node whose latest rows are for an earlier layer has this layer's on the way.
   for (const auto& [conn, s] : senders_)
-    if (now_ns - s.last_seen_ns <= kSendingNs && s.last_layer < layer) return false;
+    if (now_ns - s.last_seen_ns <= absl::ToInt64Nanoseconds(options_.sending) && s.last_layer < layer) return false;
   return true;
 }
 

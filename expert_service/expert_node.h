@@ -36,6 +36,7 @@ struct ExpertNodeOptions {
   // The longest wait for more rows: a batch starts as soon as every attention node that is sending
   // has sent its rows for the batch's layer, or after this long.
   absl::Duration batch_window = absl::Microseconds(200);
+  absl::Duration sending = absl::Milliseconds(10);  // an attention node counts as sending this long after a request
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
 };
 
