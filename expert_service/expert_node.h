@@ -38,6 +38,8 @@ struct ExpertNodeOptions {
   absl::Duration batch_window = absl::Microseconds(200);
   absl::Duration sending = absl::Milliseconds(10);  // an attention node counts as sending this long after a request
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
+  // A batch whose window can close at once runs on the transport's thread, not the worker's.
+  bool inline_batches = true;
 };
 
 class ExpertNode final : public v1::ExpertAdmin::Service {
@@ -91,6 +93,7 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   std::deque<Item> queue_;
   std::map<dataplane::ConnectionId, Sender> senders_;
   bool stopping_ = false;
+  bool busy_ = false;  // a batch is running (worker or transport thread): one at a time
   std::shared_ptr<const Slots> slots_;
   std::thread worker_;
   std::atomic<bool> draining_{false};

@@ -60,7 +60,7 @@ class Sender {
 
 class BatchingWindow : public ::testing::Test {
  protected:
-  void Start(absl::Duration sending) {
+  void Start(absl::Duration sending, bool inline_batches = true) {
     auto config = LoadModelConfig(ModelDir());
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = *config;
@@ -73,6 +73,7 @@ class BatchingWindow : public ::testing::Test {
     o.node_id = "expert-test";
     o.batch_window = absl::Seconds(60);
     o.sending = sending;
+    o.inline_batches = inline_batches;
     node_ = std::make_unique<ExpertNode>(config_, std::make_shared<const Checkpoint>(std::move(*ckpt)), o, registry_);
     v1::LoadSlotsRequest req;
     req.set_version(1);
@@ -107,6 +108,15 @@ class BatchingWindow : public ::testing::Test {
 
 TEST_F(BatchingWindow, ALoneAttentionNodeNeverWaits) {
   Start(absl::Seconds(60));
+  a_ = std::make_unique<Sender>(*transport_, node_->data_address());
+  for (uint64_t i = 0; i < moe_.size(); ++i) {
+    a_->Send(i + 1, moe_[i], width(), 0);
+    ASSERT_TRUE(a_->WaitReplies(i + 1, 20s)) << "layer " << moe_[i] << " waited for its window";
+  }
+}
+
+TEST_F(BatchingWindow, ALoneAttentionNodeNeverWaitsOnTheWorkerEither) {
+  Start(absl::Seconds(60), /*inline_batches=*/false);
   a_ = std::make_unique<Sender>(*transport_, node_->data_address());
   for (uint64_t i = 0; i < moe_.size(); ++i) {
     a_->Send(i + 1, moe_[i], width(), 0);
