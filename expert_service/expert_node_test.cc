@@ -140,8 +140,12 @@ TEST_F(BatchingWindow, WaitsForAnAttentionNodeBehindOnTheLayer) {
   b_->Send(4, moe_[1], width(), 0);
   ASSERT_TRUE(a_->WaitReplies(2, 20s));
   ASSERT_TRUE(b_->WaitReplies(2, 20s));
+  // The count moves after a batch's replies are sent.
   v1::ExpertStatus status;
-  ASSERT_TRUE(node_->Status(nullptr, nullptr, &status).ok());
+  for (int i = 0; i < 500 && status.batches_processed() < 3; ++i) {
+    std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(node_->Status(nullptr, nullptr, &status).ok());
+  }
   EXPECT_EQ(status.batches_processed(), 3) << "B's and A's rows of layer " << moe_[1] << " in one batch";
 }
 

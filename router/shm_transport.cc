@@ -377,7 +377,13 @@ absl::StatusOr<std::unique_ptr<ShmTransport>> ShmTransport::Create(const ShmOpti
       !std::has_single_bit(options.ring_bytes))
     return absl::InvalidArgumentError(absl::StrCat("ShmOptions.ring_bytes = ", options.ring_bytes,
                                                    " is not a power of two in [4 KiB, 1 GiB]"));
-  std::unique_ptr<ShmTransport> t(new ShmTransport(options));
+  ShmOptions o = options;
+  if (o.spin.count() < 0) {
+    cpu_set_t cpus;
+    const int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+    o.spin = std::chrono::microseconds(n > 4 ? 200 : 0);
+  }
+  std::unique_ptr<ShmTransport> t(new ShmTransport(o));
   t->thread_ = std::thread([raw = t.get()] { raw->Loop(); });
   return t;
 }
