@@ -16,9 +16,6 @@
 namespace k3 {
 namespace {
 
-// An attention node counts as sending while its last request is this recent.
-constexpr int64_t kSendingNs = 10'000'000;
-
 int64_t MonotonicNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -54,13 +51,27 @@ absl::Status ExpertNode::Listen(dataplane::Transport& transport, const std::stri
     const int64_t now = MonotonicNs();
     // Decoded here, on the transport's thread, so that the window knows the layer.
     auto request = wire::DecodeExpertRequest(msg.span(), {static_cast<uint32_t>(config_.num_experts)});
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Sender& s = senders_[from];
-      s.last_seen_ns = now;
-      if (request.ok()) s.last_layer = request->layer;
-      queue_.push_back({from, std::move(msg), std::move(request), now});
+    std::unique_lock<std::mutex> lock(mu_);
+    Sender& s = senders_[from];
+    s.last_seen_ns = now;
+    const uint32_t layer = request.ok() ? request->layer : 0;
+    if (request.ok()) s.last_layer = layer;
+    queue_.push_back({from, std::move(msg), std::move(request), now});
+    // A batch that need not wait runs right here: handing it to the worker would cost a wake-up,
+    // which on a busy machine is the longest part of the round trip. Rows that arrive meanwhile
+    // wait in the transport, as they would behind the worker.
+    if (options_.inline_batches && !busy_ && !stopping_ && WindowCanClose(layer, now)) {
+      std::vector<Item> items(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
+      queue_.clear();
+      std::shared_ptr<const Slots> slots = slots_;
+      busy_ = true;
+      lock.unlock();
+      RunBatch(items, *slots);
+      lock.lock();
+      busy_ = false;
+      if (queue_.empty() && !stopping_) return;
     }
+    lock.unlock();
     cv_.notify_one();
   };
   cb.on_closed = [this](dataplane::ConnectionId conn, absl::Status) {
@@ -168,8 +179,9 @@ grpc::Status ExpertNode::Status(grpc::ServerContext* ctx, const v1::StatusReques
 void ExpertNode::Worker() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    cv_.wait(lock, [&] { return (stopping_ && !busy_) || (!queue_.empty() && !busy_); });
     if (queue_.empty()) return;  // stopping, and every queued row answered
+    busy_ = true;  // the queue is the worker's until its batch is done
     // The batching window: rows of the same layer from the other attention nodes may join. It
     // closes once none of them still has to send, so a lone attention node never waits.
     const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.batch_window);
@@ -183,13 +195,14 @@ void ExpertNode::Worker() {
     lock.unlock();
     RunBatch(items, *slots);
     lock.lock();
+    busy_ = false;
   }
 }
 
 bool ExpertNode::WindowCanClose(uint32_t layer, int64_t now_ns) const {
   // A sending attention node whose latest rows are for an earlier layer has this layer's on the way.
   for (const auto& [conn, s] : senders_)
-    if (now_ns - s.last_seen_ns <= kSendingNs && s.last_layer < layer) return false;
+    if (now_ns - s.last_seen_ns <= absl::ToInt64Nanoseconds(options_.sending) && s.last_layer < layer) return false;
   return true;
 }
 

@@ -36,9 +36,12 @@ struct ExpertNodeOptions {
   // The longest wait for more rows: a batch starts as soon as every attention node that is sending
   // has sent its rows for the batch's layer, or after this long.
   absl::Duration batch_window = absl::Microseconds(200);
+  absl::Duration sending = absl::Milliseconds(10);  // an attention node counts as sending this long after a request
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
   // Data-plane connections must open with a Hello carrying this token (empty: no handshake needed).
   std::string node_token;
+  // A batch whose window can close at once runs on the transport's thread, not the worker's.
+  bool inline_batches = true;
 };
 
 class ExpertNode final : public v1::ExpertAdmin::Service {
@@ -95,6 +98,7 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   std::deque<Item> queue_;
   std::map<dataplane::ConnectionId, Sender> senders_;
   bool stopping_ = false;
+  bool busy_ = false;  // a batch is running (worker or transport thread): one at a time
   std::shared_ptr<const Slots> slots_;
   std::thread worker_;
   std::atomic<bool> draining_{false};

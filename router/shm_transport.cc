@@ -8,7 +8,8 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
-#include <sys/eventfd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -36,6 +37,7 @@ namespace k3::dataplane {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr auto kContended = std::chrono::microseconds(50);
 
 // ---- the shared mapping ----
 
@@ -44,13 +46,19 @@ struct alignas(64) Word {
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "the rings need address-free atomics");
 
+struct alignas(64) Bell {
+  std::atomic<uint32_t> seq;  // a futex word: bumped and woken to wake the ring's consumer
+};
+
 // One direction. The producer owns head and producer_waiting, the consumer tail and
-// consumer_sleeping; each side reads the other's words.
+// consumer_sleeping; each side reads the other's words. The consumer's progress thread sleeps on
+// the bells of its incoming rings.
 struct RingCtl {
   Word head;               // bytes written since the start
   Word tail;               // bytes consumed since the start
-  Word consumer_sleeping;  // 1: the consumer sleeps in poll(); ring its doorbell after writing
-  Word producer_waiting;   // 1: the producer waits for room; ring its doorbell after reading
+  Word consumer_sleeping;  // 1: the consumer sleeps; ring its bell after writing
+  Word producer_waiting;   // 1: the producer waits for room; ring the other ring's bell after reading
+  Bell bell;
 };
 
 constexpr uint32_t kSegmentMagic = 0x4D53334B;  // "K3SM"
@@ -155,11 +163,23 @@ std::string StripScheme(const std::string& address) {
   std::abort();
 }
 
-void RingDoorbell(int fd) {
-  if (fd < 0) return;
-  const char b = 'd';
-  // A full socket buffer means unread doorbells already: the peer wakes anyway.
-  [[maybe_unused]] ssize_t n = ::send(fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+// Wakes the progress thread that consumes `ring`. A futex, not a byte on the socket: a socket
+// wake-up is a "sync" one, which puts the woken thread on the waker's CPU, behind a waker that
+// goes on computing (the engine after it sent its rows).
+void RingBell(RingCtl* ring) {
+  ring->bell.seq.fetch_add(1, std::memory_order_seq_cst);
+  ::syscall(SYS_futex, &ring->bell.seq, FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+
+// Sleeps until one of the words changes from its value, a wake, or `timeout`.
+void WaitAny(std::vector<futex_waitv>& words, std::chrono::microseconds timeout) {
+  timespec deadline{};
+  ::clock_gettime(CLOCK_MONOTONIC, &deadline);
+  const long ns = deadline.tv_nsec + static_cast<long>(timeout.count()) * 1000;
+  deadline.tv_sec += ns / 1'000'000'000;
+  deadline.tv_nsec = ns % 1'000'000'000;
+  if (::syscall(SYS_futex_waitv, words.data(), words.size(), 0, &deadline, CLOCK_MONOTONIC) < 0 && errno == ENOSYS)
+    std::this_thread::sleep_for(std::chrono::microseconds(500));  // kernels before 5.16: poll every 0.5 ms
 }
 
 // ---- connections ----
@@ -200,7 +220,6 @@ struct Conn {
   absl::Status dead_status;
   Ring out;
   uint64_t out_head = 0;
-  int doorbell_fd = -1;
   std::deque<OutMsg> out_q;
   std::vector<SendDone> completed;  // sends whose frame is in the ring; run on the progress thread
 
@@ -250,7 +269,7 @@ bool Conn::WriteQueued() {
   }
   if (moved) {
     out.ctl->head.v.store(out_head, std::memory_order_seq_cst);
-    if (out.ctl->consumer_sleeping.v.load(std::memory_order_seq_cst) != 0) RingDoorbell(doorbell_fd);
+    if (out.ctl->consumer_sleeping.v.load(std::memory_order_seq_cst) != 0) RingBell(out.ctl);
   }
   return moved;
 }
@@ -287,7 +306,7 @@ class ShmTransport final : public Transport {
   bool RunCommands();
   bool Progress();
   void Sleep();
-  bool PollSockets(int timeout_ms);
+  bool PollSockets();
   void OnSocket(const std::shared_ptr<Conn>& c, short revents);
   void Accept(Listener& l);
   void Opened(Conn& c);
@@ -298,7 +317,7 @@ class ShmTransport final : public Transport {
   void End(const std::shared_ptr<Conn>& c, const absl::Status& why, bool tell_owner);
 
   const ShmOptions options_;
-  Fd wake_fd_;
+  std::atomic<uint32_t> wake_seq_{0};  // a futex word: Post wakes the sleeping progress thread
   std::thread thread_;
 
   std::mutex mu_;
@@ -316,6 +335,7 @@ class ShmTransport final : public Transport {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Conn>> conns_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Listener>> listeners_;
   Clock::time_point last_poll_;
+  std::vector<futex_waitv> sleep_words_;     // Sleep's scratch
   std::vector<std::shared_ptr<Conn>> open_;  // Progress's scratch, kept for its capacity
   std::vector<SendDone> completed_;
 };
@@ -357,9 +377,13 @@ absl::StatusOr<std::unique_ptr<ShmTransport>> ShmTransport::Create(const ShmOpti
       !std::has_single_bit(options.ring_bytes))
     return absl::InvalidArgumentError(absl::StrCat("ShmOptions.ring_bytes = ", options.ring_bytes,
                                                    " is not a power of two in [4 KiB, 1 GiB]"));
-  std::unique_ptr<ShmTransport> t(new ShmTransport(options));
-  t->wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-  if (t->wake_fd_.get() < 0) return absl::InternalError(Errno("eventfd"));
+  ShmOptions o = options;
+  if (o.spin.count() < 0) {
+    cpu_set_t cpus;
+    const int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+    o.spin = std::chrono::microseconds(n > 4 ? 200 : 0);
+  }
+  std::unique_ptr<ShmTransport> t(new ShmTransport(o));
   t->thread_ = std::thread([raw = t.get()] { raw->Loop(); });
   return t;
 }
@@ -382,7 +406,8 @@ void ShmTransport::Post(absl::AnyInvocable<void()> command, bool wake) {
   }
   if (wake) {
     const uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+    wake_seq_.fetch_add(one, std::memory_order_seq_cst);
+    ::syscall(SYS_futex, &wake_seq_, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
   }
 }
 
@@ -558,14 +583,19 @@ void ShmTransport::Loop() {
     worked |= Progress();
     const auto now = Clock::now();
     // Sockets (new connections, a peer's EOF) are looked at every millisecond while busy.
-    if (now - last_poll_ >= std::chrono::milliseconds(1)) worked |= PollSockets(0);
+    if (now - last_poll_ >= std::chrono::milliseconds(1)) worked |= PollSockets();
     if (worked) {
       last_work = now;
     } else if (now - last_work >= options_.spin) {
-      Sleep();
-      last_work = Clock::now();
+      Sleep();  // the spin starts again only if waking finds work
     } else {
       sched_yield();  // as in the UCX transport: let a runnable thread on this CPU go first
+      // A yield that took long means the CPUs are oversubscribed: a thread that polls there waits
+      // behind the others when its message comes, one that sleeps is woken ahead of them.
+      if (Clock::now() - now > kContended) {
+        last_work = now - options_.spin;
+        Sleep();
+      }
     }
   }
 }
@@ -629,21 +659,32 @@ bool ShmTransport::ReadIn(const std::shared_ptr<Conn>& conn) {
   }
   c.in_tail = *tail;
   c.in.ctl->tail.v.store(c.in_tail, std::memory_order_seq_cst);
-  if (c.in.ctl->producer_waiting.v.load(std::memory_order_seq_cst) != 0) RingDoorbell(c.sock.get());
+  if (c.in.ctl->producer_waiting.v.load(std::memory_order_seq_cst) != 0) RingBell(c.out.ctl);
   return true;
 }
 
 void ShmTransport::Sleep() {
+  std::vector<futex_waitv>& words = sleep_words_;
+  words.clear();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!commands_.empty()) return;
     sleeping_ = true;
+    words.push_back({wake_seq_.load(std::memory_order_seq_cst), reinterpret_cast<uintptr_t>(&wake_seq_),
+                     FUTEX_32 | FUTEX_PRIVATE_FLAG, 0});
   }
-  // Announce the sleep in every ring, then look once more: a peer that wrote before seeing the flag
-  // is caught here, one that writes after rings the doorbell.
-  bool ready = false;
+  // Each bell's value first, then the sleep announced in every ring, then one more look: a peer
+  // that wrote before seeing the flag is caught here, one that writes after rings the bell, which
+  // no longer holds the value read.
+  bool ready = false, handshaking = false;
   for (auto& [serial, c] : conns_) {
-    if (c->state != State::kOpen) continue;
+    if (c->state != State::kOpen) {
+      handshaking |= c->state != State::kDead;
+      continue;
+    }
+    if (words.size() < FUTEX_WAITV_MAX)
+      words.push_back({c->in.ctl->bell.seq.load(std::memory_order_seq_cst), reinterpret_cast<uintptr_t>(&c->in.ctl->bell.seq),
+                       FUTEX_32, 0});
     c->in.ctl->consumer_sleeping.v.store(1, std::memory_order_seq_cst);
     std::lock_guard<std::mutex> lock(c->out_mu);
     if (!c->out_q.empty()) c->out.ctl->producer_waiting.v.store(1, std::memory_order_seq_cst);
@@ -657,23 +698,30 @@ void ShmTransport::Sleep() {
       if (!c->completed.empty() || c->out_head - tail < c->out.capacity) ready = true;
     }
   }
-  // Idle: wake up now and then to run completions of sends that went straight into a ring.
-  if (!ready) PollSockets(100);
+  // The sockets (new connections, handshakes, a peer's EOF) are looked at on waking: every 10 ms
+  // when idle, every millisecond while a handshake is under way. More connections than one wait
+  // can hold are looked at every millisecond too.
+  const bool all_bells = words.size() < FUTEX_WAITV_MAX;
+  if (!ready)
+    WaitAny(words, handshaking || !all_bells ? std::chrono::microseconds(1000) : std::chrono::microseconds(10000));
   for (auto& [serial, c] : conns_) {
     if (c->state != State::kOpen) continue;
     c->in.ctl->consumer_sleeping.v.store(0, std::memory_order_relaxed);
     c->out.ctl->producer_waiting.v.store(0, std::memory_order_relaxed);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  sleeping_ = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sleeping_ = false;
+  }
+  PollSockets();
 }
 
-bool ShmTransport::PollSockets(int timeout_ms) {
+bool ShmTransport::PollSockets() {
   last_poll_ = Clock::now();
   std::vector<pollfd> fds;
   std::vector<std::shared_ptr<Conn>> conns;
   std::vector<Listener*> listeners;
-  fds.push_back({wake_fd_.get(), POLLIN, 0});
+  fds.push_back({-1, 0, 0});  // unused slot: keeps the indices below
   for (auto& [serial, l] : listeners_) {
     fds.push_back({l->sock.get(), POLLIN, 0});
     listeners.push_back(l.get());
@@ -683,13 +731,9 @@ bool ShmTransport::PollSockets(int timeout_ms) {
     fds.push_back({c->sock.get(), static_cast<short>(c->state == State::kConnecting ? POLLOUT : POLLIN), 0});
     conns.push_back(c);
   }
-  const int n = ::poll(fds.data(), fds.size(), timeout_ms);
+  const int n = ::poll(fds.data(), fds.size(), 0);
   bool worked = false;
   if (n > 0) {
-    if (fds[0].revents != 0) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(wake_fd_.get(), &v, sizeof(v));
-    }
     for (size_t i = 0; i < listeners.size(); ++i)
       if (fds[1 + i].revents != 0) {
         Accept(*listeners[i]);
@@ -788,7 +832,7 @@ void ShmTransport::OnSocket(const std::shared_ptr<Conn>& c, short revents) {
     case State::kOpen: {
       char b[256];
       const ssize_t n = ::recv(conn.sock.get(), b, sizeof(b), 0);
-      if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) return;  // doorbells: the rings are read anyway
+      if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) return;  // nothing is sent here once open
       const absl::Status why = absl::UnavailableError(
           n == 0 ? absl::StrCat("peer ", conn.peer, " closed the connection (exited or was killed)")
                  : Errno(absl::StrCat("connection to ", conn.peer)));
@@ -849,7 +893,6 @@ void ShmTransport::Opened(Conn& c) {
   c.in_tail = c.in.ctl->tail.v.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(c.out_mu);
   c.out_head = c.out.ctl->head.v.load(std::memory_order_relaxed);
-  c.doorbell_fd = c.sock.get();
   c.writable = true;
   c.WriteQueued();
 }
@@ -883,7 +926,6 @@ void ShmTransport::End(const std::shared_ptr<Conn>& c, const absl::Status& why, 
     c->dead = true;
     c->dead_status = why;
     c->writable = false;
-    c->doorbell_fd = -1;
     queued.swap(c->out_q);
     completed.swap(c->completed);
     c->sock.reset();

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <limits>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -106,7 +108,34 @@ absl::StatusOr<Figures> InProcess(const BenchOptions& o) {
 struct DispatchMetrics {
   double rt_sum = 0, rt_count = 0, batch_sum = 0, batch_count = 0;
   double stage_sum[6] = {}, stage_count = 0;
+  std::map<double, double> stage_buckets[6];  // cumulative count by upper bound (seconds)
 };
+
+// Adds a histogram's cumulative bucket counts (the lines with `filter`) into `buckets`.
+void AddBuckets(const std::string& exposition, const std::string& name, const std::string& filter,
+                std::map<double, double>& buckets) {
+  std::istringstream in(exposition);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.starts_with(name + "{") || line.find(filter) == std::string::npos) continue;
+    const size_t le = line.find("le=\"");
+    if (le == std::string::npos) continue;
+    const std::string bound = line.substr(le + 4, line.find('"', le + 4) - le - 4);
+    const double upper = bound == "+Inf" ? std::numeric_limits<double>::infinity() : std::stod(bound);
+    buckets[upper] += std::stod(line.substr(line.rfind(' ') + 1));
+  }
+}
+
+// The upper bound of the bucket that holds the median of the samples between two snapshots.
+double MedianBound(const std::map<double, double>& before, const std::map<double, double>& after) {
+  if (after.empty()) return 0;
+  const double total = after.rbegin()->second - (before.empty() ? 0 : before.rbegin()->second);
+  for (const auto& [upper, count] : after) {
+    auto b = before.find(upper);
+    if (count - (b == before.end() ? 0 : b->second) >= 0.5 * total) return upper;
+  }
+  return 0;
+}
 constexpr const char* kStages[6] = {"pack", "out", "window", "compute", "back", "unpack"};
 
 absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster) {
@@ -115,8 +144,11 @@ absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster)
     K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));
     d.rt_sum += MetricValue(m, "k3serve_dispatch_seconds_sum");
     d.rt_count += MetricValue(m, "k3serve_dispatch_seconds_count");
-    for (int i = 0; i < 6; ++i)
-      d.stage_sum[i] += MetricValue(m, "k3serve_dispatch_stage_seconds_sum", absl::StrCat("stage=\"", kStages[i], "\""));
+    for (int i = 0; i < 6; ++i) {
+      const std::string label = absl::StrCat("stage=\"", kStages[i], "\"");
+      d.stage_sum[i] += MetricValue(m, "k3serve_dispatch_stage_seconds_sum", label);
+      AddBuckets(m, "k3serve_dispatch_stage_seconds_bucket", label, d.stage_buckets[i]);
+    }
     d.stage_count += MetricValue(m, "k3serve_dispatch_stage_seconds_count", "stage=\"pack\"");
   }
   for (int port : cluster.expert_metrics_ports()) {
@@ -218,6 +250,10 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     }
     std::printf("\n  = %.1f us, of which expert compute %.1f: overhead (round trip minus expert compute) %.1f us\n", total,
                 stage_us[3], total - stage_us[3]);
+    std::printf("  medians, at most (histogram bucket bounds, us):");
+    for (int i = 0; i < 6; ++i)
+      std::printf(" %s %.0f%s", kStages[i], 1e6 * MedianBound(before.stage_buckets[i], after.stage_buckets[i]),
+                  i < 5 ? " |" : "\n");
     ratio.Add(r);
     overhead.Add(total - stage_us[3]);
     local_tok.Add(local.decode_tok_s);
