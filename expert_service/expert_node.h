@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -33,6 +34,7 @@ struct ExpertNodeOptions {
   std::string device = "cpu";  // or "cuda" (CUDA builds): the slots' experts on the GPU
   absl::Duration batch_window = absl::Microseconds(200);  // wait this long for more rows
   int64_t max_batch_messages = 64;                        // ... or until this many requests are queued
+  int32_t slot_capacity = 0;  // most (layer, expert) slots one placement may give this node (0: no limit)
 };
 
 class ExpertNode final : public v1::ExpertAdmin::Service {
@@ -45,7 +47,11 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   absl::Status Listen(dataplane::Transport& transport, const std::string& address);
   const std::string& data_address() const;
 
+  // Loads a placement version's slots beside those of the versions still held: rows in flight on
+  // an older version keep being answered until the router releases it.
   grpc::Status LoadSlots(grpc::ServerContext* ctx, const v1::LoadSlotsRequest* req, v1::LoadSlotsResponse* resp) override;
+  grpc::Status ReleaseSlots(grpc::ServerContext* ctx, const v1::ReleaseSlotsRequest* req,
+                            v1::ReleaseSlotsResponse* resp) override;
   grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainResponse* resp) override;
   grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::ExpertStatus* resp) override;
 
@@ -63,8 +69,11 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
     std::shared_ptr<const ModelWeights> weights;  // only the slots' experts loaded (CPU)
     std::shared_ptr<GpuExperts> gpu;              // the same slots on the GPU (--device cuda)
   };
+  using Held = std::map<uint64_t, std::shared_ptr<const Slots>>;  // by placement version
   void Worker();
-  void RunBatch(std::vector<Item>& items, const Slots& slots);
+  void RunBatch(std::vector<Item>& items, const Held& held);
+  // Distinct slots over the held versions; mu_ held.
+  int64_t HeldSlotsLocked() const;
   void ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s);
 
   const ModelConfig config_;
@@ -76,7 +85,7 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stopping_ = false;
-  std::shared_ptr<const Slots> slots_;
+  Held held_;
   std::thread worker_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> rows_processed_{0}, batches_processed_{0};

@@ -33,9 +33,12 @@ class Dispatcher : public ExpertExecutor {
   Dispatcher(const ModelConfig& config, dataplane::Transport& transport, DispatcherOptions options);
   ~Dispatcher() override;
 
-  // Installs a placement: connects to its nodes (keeping live connections), drops the others.
-  // Requests in flight finish on the placement they started with.
+  // Installs a placement: connects to its new nodes first, then switches at once (a dispatch
+  // uses one version from start to end), then drops the nodes it no longer names. Requests in
+  // flight finish on the placement they started with.
   absl::Status SetPlacement(std::shared_ptr<const PlacementTable> placement);
+  // Waits until no dispatch is in flight on a placement other than `version`; false on timeout.
+  bool WaitDrained(uint64_t version, absl::Duration timeout);
   // A complete placement whose every node is connected and has not failed.
   bool ready() const;
   uint64_t placement_version() const;
@@ -65,6 +68,7 @@ class Dispatcher : public ExpertExecutor {
     int remaining = 0;
     absl::Status status;
     absl::Time start;
+    uint64_t version = 0;  // the placement it was routed on
   };
 
   void OnMessage(const std::string& node_id, dataplane::Buffer msg);
@@ -81,6 +85,7 @@ class Dispatcher : public ExpertExecutor {
   std::map<std::string, std::shared_ptr<Peer>> peers_;  // by node id, for the current placement
   std::map<uint64_t, Pending> pending_;                 // by ticket
   std::map<uint64_t, std::pair<uint64_t, size_t>> parts_;  // wire request id -> (ticket, part)
+  std::map<uint64_t, int64_t> in_flight_;                 // placement version -> dispatches on it
   uint64_t next_ticket_ = 1;
   std::atomic<uint64_t> next_wire_id_{1};  // taken outside mu_, while messages are encoded
 };

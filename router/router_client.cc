@@ -5,6 +5,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/time/clock.h"
+
 namespace k3::router {
 
 RouterClient::RouterClient(const std::string& router_address, v1::RegisterNodeRequest self, OnPlacement on_placement)
@@ -81,6 +83,27 @@ void RouterClient::ReportLoad(const v1::LoadReport& report) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::ReportLoadResponse resp;
   stub_->ReportLoad(&ctx, report, &resp);
+}
+
+void RouterClient::AckPlacement(uint64_t version) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::AckPlacementRequest req;
+  req.set_node_id(self_.node_id());
+  req.set_version(version);
+  v1::AckPlacementResponse resp;
+  stub_->AckPlacement(&ctx, req, &resp);
+}
+
+absl::Status RouterClient::Leave(absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  v1::LeaveNodeRequest req;
+  req.set_node_id(self_.node_id());
+  v1::LeaveNodeResponse resp;
+  const grpc::Status s = stub_->LeaveNode(&ctx, req, &resp);
+  if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  return absl::OkStatus();
 }
 
 }  // namespace k3::router

@@ -18,6 +18,13 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int, grpc_port, 50050, "gRPC port (0: pick one)");
 ABSL_FLAG(int, metrics_port, 9150, "Prometheus /metrics port (0: pick one, -1: off)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once serving");
+ABSL_FLAG(double, placement_timeout_s, 30.0,
+          "a placement change whose new slots are not ready within this is abandoned (serving stays on the old one)");
+ABSL_FLAG(int, placement_settle_ms, 50, "wait this long after a node joins or leaves before re-placing (bursts become one change)");
+ABSL_FLAG(double, redundancy, 0.0, "redundant expert slots per MoE layer, as a fraction of the experts (replicas of hot experts)");
+ABSL_FLAG(double, load_interval, 1.0, "seconds per step of the per-expert load EMA (and of the rebalance check)");
+ABSL_FLAG(double, rebalance_threshold, 1.15, "max/mean expert-node load above which the router rebalances ...");
+ABSL_FLAG(int, rebalance_after, 3, "... for this many load intervals in a row (0: only on demand)");
 
 int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
@@ -29,7 +36,24 @@ int main(int argc, char** argv) {
     return 2;
   }
   k3::metrics::Registry registry;
-  k3::router::RouterService service(*config, registry);
+  k3::router::RouterOptions ropt;
+  ropt.placement_timeout = absl::Seconds(absl::GetFlag(FLAGS_placement_timeout_s));
+  ropt.settle = absl::Milliseconds(absl::GetFlag(FLAGS_placement_settle_ms));
+  ropt.eplb.redundancy = absl::GetFlag(FLAGS_redundancy);
+  ropt.load_interval = absl::Seconds(absl::GetFlag(FLAGS_load_interval));
+  ropt.rebalance_threshold = absl::GetFlag(FLAGS_rebalance_threshold);
+  ropt.rebalance_after = absl::GetFlag(FLAGS_rebalance_after);
+  auto bad = [](const char* flag, const char* why) {
+    std::fprintf(stderr, "k3serve-router: --%s %s\n", flag, why);
+    return 2;
+  };
+  if (!(ropt.placement_timeout > absl::ZeroDuration())) return bad("placement-timeout-s", "must be > 0");
+  if (ropt.settle < absl::ZeroDuration()) return bad("placement-settle-ms", "must be >= 0");
+  if (!(ropt.eplb.redundancy >= 0 && ropt.eplb.redundancy <= 4)) return bad("redundancy", "must be in [0, 4]");
+  if (!(ropt.load_interval > absl::ZeroDuration())) return bad("load-interval", "must be > 0");
+  if (!(ropt.rebalance_threshold >= 1)) return bad("rebalance-threshold", "must be >= 1");
+  if (ropt.rebalance_after < 0) return bad("rebalance-after", "must be >= 0");
+  k3::router::RouterService service(*config, registry, ropt);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
   if (!grpc.ok()) {
     std::fprintf(stderr, "k3serve-router: %s\n", std::string(grpc.status().message()).c_str());
@@ -44,7 +68,12 @@ int main(int argc, char** argv) {
   if (http) {
     // Per-expert load is too many series for Prometheus (DESIGN §4): it lives here.
     http->Handle("GET", "/admin/expert_load", [&service](const k3::HttpRequest&) {
-      return k3::HttpResponse{200, "application/json", nlohmann::json(service.ExpertLoad()).dump()};
+      return k3::HttpResponse{200, "application/json", service.ExpertLoadJson().dump()};
+    });
+    // An EPLB re-placement over the measured load, through the placement-change protocol.
+    http->Handle("POST", "/admin/rebalance", [&service](const k3::HttpRequest&) {
+      service.RequestRebalance();
+      return k3::HttpResponse{202, "application/json", "{\"rebalance\": \"requested\"}"};
     });
   }
   grpc->SetServing(true);

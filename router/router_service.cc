@@ -1,7 +1,10 @@
 #include "router/router_service.h"
 
 #include <algorithm>
+#include <future>
 #include <numeric>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/time/clock.h"
 #include "common/grpc_server.h"
@@ -9,13 +12,29 @@
 namespace k3::router {
 namespace {
 
-constexpr auto kLoadSlotsDeadline = std::chrono::seconds(60);
 constexpr auto kProbeDeadline = std::chrono::seconds(2);
+
+bool Hosts(const PlacementTable& t, const std::string& node_id) {
+  for (const NodeInfo& n : t.nodes)
+    if (n.node_id == node_id) return true;
+  return false;
+}
+
+// The same nodes hosting the same slots.
+bool SameAssignment(const PlacementTable& a, const PlacementTable& b) {
+  if (a.nodes.size() != b.nodes.size() || a.complete() != b.complete()) return false;
+  for (size_t i = 0; i < a.nodes.size(); ++i)
+    if (a.nodes[i].node_id != b.nodes[i].node_id || a.nodes[i].ucx_address != b.nodes[i].ucx_address) return false;
+  return a.replicas == b.replicas;
+}
 
 }  // namespace
 
-RouterService::RouterService(ModelConfig config, metrics::Registry& reg) : config_(std::move(config)) {
+RouterService::RouterService(ModelConfig config, metrics::Registry& reg, RouterOptions options)
+    : config_(std::move(config)), options_(std::move(options)) {
   load_.assign(config_.num_layers, std::vector<int64_t>(config_.num_experts, 0));
+  interval_ = load_;
+  ema_.assign(config_.num_layers, std::vector<double>(config_.num_experts, 0.0));
   m_version_ = &metrics::Must(reg.AddGauge("k3serve_placement_version", "Version of the published expert placement."))->WithLabels();
   m_expert_nodes_ = &metrics::Must(reg.AddGauge("k3serve_router_expert_nodes", "Live registered expert nodes."))->WithLabels();
   m_attention_nodes_ = &metrics::Must(reg.AddGauge("k3serve_router_attention_nodes", "Attention nodes watching the placement."))->WithLabels();
@@ -25,6 +44,13 @@ RouterService::RouterService(ModelConfig config, metrics::Registry& reg) : confi
   m_node_load_ = metrics::Must(reg.AddGauge("k3serve_expert_node_load_tokens",
                                             "Tokens routed to the slots of each expert node since start (all layers).", {"node"}));
   m_failures_ = metrics::Must(reg.AddCounter("k3serve_expert_node_failures_total", "Expert nodes dropped, by reason.", {"reason"}));
+  m_rebalances_ = metrics::Must(reg.AddCounter("k3serve_rebalances_total",
+                                               "Placement changes carried out, by outcome (completed, or abandoned: serving stayed on the old version).",
+                                               {"outcome"}));
+  m_rebalances_->WithLabels({"completed"});
+  m_rebalances_->WithLabels({"abandoned"});
+  m_moved_ = &metrics::Must(reg.AddCounter("k3serve_experts_moved_total", "Slots loaded on a node that did not hold them, over all completed changes."))->WithLabels();
+  m_in_progress_ = &metrics::Must(reg.AddGauge("k3serve_rebalance_in_progress", "1 while a placement change is under way."))->WithLabels();
   placer_ = std::thread([this] { PlacerLoop(); });
 }
 
@@ -41,6 +67,14 @@ void RouterService::Stop() {
   cv_.notify_all();
 }
 
+void RouterService::RequestRebalance() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    rebalance_ = true;
+  }
+  cv_.notify_all();
+}
+
 grpc::Status RouterService::RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
                                          v1::RegisterNodeResponse* resp) {
   if (req->node_id().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "node_id must not be empty"};
@@ -48,14 +82,17 @@ grpc::Status RouterService::RegisterNode(grpc::ServerContext*, const v1::Registe
   if (req->role() == v1::NODE_ROLE_EXPERT) {
     if (req->ucx_address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "ucx_address must not be empty for an expert node"};
     if (req->grpc_address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "grpc_address must not be empty for an expert node"};
+    if (req->slot_capacity() < 0) return {grpc::StatusCode::INVALID_ARGUMENT, "slot_capacity must be >= 0"};
     ExpertNodeState& n = experts_[req->node_id()];
     n.info = {req->node_id(), req->ucx_address(), req->grpc_address()};
+    n.capacity = req->slot_capacity();
+    n.leaving = false;
     n.admin = v1::ExpertAdmin::NewStub(grpc::CreateChannel(req->grpc_address(), grpc::InsecureChannelCredentials()));
     dirty_ = true;
     m_expert_nodes_->Set(static_cast<double>(experts_.size()));
     cv_.notify_all();
   } else if (req->role() == v1::NODE_ROLE_ATTENTION) {
-    attention_.insert(req->node_id());
+    attention_.emplace(req->node_id(), 0);
   } else {
     return {grpc::StatusCode::INVALID_ARGUMENT, "role must be NODE_ROLE_ATTENTION or NODE_ROLE_EXPERT"};
   }
@@ -84,12 +121,15 @@ grpc::Status RouterService::WatchPlacement(grpc::ServerContext* ctx, const v1::W
   }
   // The stream is an expert node's liveness signal.
   if (!stopping_) {
-    if (experts_.count(id)) {
+    auto it = experts_.find(id);
+    if (it != experts_.end()) {
+      const bool left = it->second.leaving;
       lock.unlock();
-      DropNode(id, "watch stream closed");
+      DropNode(id, left ? "left" : "watch stream closed");
     } else if (is_attention) {
       attention_.erase(id);
       m_attention_nodes_->Set(static_cast<double>(attention_.size()));
+      cv_.notify_all();  // a change may be waiting for its acknowledgement
     }
   }
   return grpc::Status::OK;
@@ -132,7 +172,11 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
   }
   for (const auto& l : req->layers()) {
     auto& row = load_[l.layer()];
-    for (int e = 0; e < l.tokens_per_expert_size(); ++e) row[e] += l.tokens_per_expert(e);
+    auto& in = interval_[l.layer()];
+    for (int e = 0; e < l.tokens_per_expert_size(); ++e) {
+      row[e] += l.tokens_per_expert(e);
+      in[e] += l.tokens_per_expert(e);
+    }
     const int64_t total = std::accumulate(row.begin(), row.end(), int64_t{0});
     if (total > 0) {
       const double mean = static_cast<double>(total) / row.size();
@@ -142,7 +186,8 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
   if (placement_) {
     for (size_t n = 0; n < placement_->nodes.size(); ++n) {
       int64_t tokens = 0;
-      for (const Slot& s : placement_->SlotsOf(static_cast<int32_t>(n))) tokens += load_[s.layer][s.expert];
+      for (const Slot& s : placement_->SlotsOf(static_cast<int32_t>(n)))
+        tokens += load_[s.layer][s.expert] / static_cast<int64_t>(placement_->replicas[s.layer][s.expert].size());
       m_node_load_->WithLabels({placement_->nodes[n].node_id}).Set(static_cast<double>(tokens));
     }
   }
@@ -155,9 +200,71 @@ grpc::Status RouterService::GetPlacement(grpc::ServerContext*, const v1::GetPlac
   return grpc::Status::OK;
 }
 
+grpc::Status RouterService::AckPlacement(grpc::ServerContext*, const v1::AckPlacementRequest* req, v1::AckPlacementResponse*) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = attention_.find(req->node_id());
+  if (it == attention_.end())
+    return {grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat("node_id \"", req->node_id(), "\" is not a registered attention node")};
+  it->second = std::max(it->second, req->version());
+  cv_.notify_all();
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::LeaveNode(grpc::ServerContext* ctx, const v1::LeaveNodeRequest* req, v1::LeaveNodeResponse* resp) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = experts_.find(req->node_id());
+  if (it == experts_.end()) {
+    resp->set_placement_version(placement_ ? placement_->version : 0);
+    return grpc::Status::OK;
+  }
+  it->second.leaving = true;
+  dirty_ = true;
+  cv_.notify_all();
+  std::fprintf(stderr, "router: expert node %s is leaving\n", req->node_id().c_str());
+  // Done once a placement without the node is published and no attention node uses an older one.
+  const absl::Time end = absl::Now() + 2 * options_.placement_timeout + options_.settle;
+  while (!stopping_ && !ctx->IsCancelled()) {
+    if (!dirty_ && !in_progress_ && (!placement_ || !Hosts(*placement_, req->node_id()))) {
+      resp->set_placement_version(placement_ ? placement_->version : 0);
+      return grpc::Status::OK;
+    }
+    if (absl::Now() >= end)
+      return {grpc::StatusCode::DEADLINE_EXCEEDED, "no placement without this node completed within the placement timeout"};
+    cv_.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  return {grpc::StatusCode::CANCELLED, "router stopping"};
+}
+
 std::vector<std::vector<int64_t>> RouterService::ExpertLoad() const {
   std::lock_guard<std::mutex> lock(mu_);
   return load_;
+}
+
+nlohmann::json RouterService::ExpertLoadJson() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  nlohmann::json out;
+  out["placement_version"] = placement_ ? placement_->version : 0;
+  out["nodes"] = nlohmann::json::array();
+  if (placement_)
+    for (const NodeInfo& n : placement_->nodes) out["nodes"].push_back(n.node_id);
+  out["layers"] = nlohmann::json::array();
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    if (config_.mlp[l] != Mlp::kMoe) continue;
+    nlohmann::json layer;
+    layer["layer"] = l;
+    layer["tokens"] = load_[l];
+    layer["tokens_ema"] = ema_[l];
+    nlohmann::json replicas = nlohmann::json::array();
+    if (placement_ && l < static_cast<int64_t>(placement_->replicas.size()))
+      for (const auto& hosts : placement_->replicas[l]) {
+        nlohmann::json ids = nlohmann::json::array();
+        for (int32_t n : hosts) ids.push_back(placement_->nodes[n].node_id);
+        replicas.push_back(ids);
+      }
+    layer["replicas"] = replicas;
+    out["layers"].push_back(layer);
+  }
+  return out;
 }
 
 void RouterService::DropNode(const std::string& node_id, const std::string& why) {
@@ -170,54 +277,186 @@ void RouterService::DropNode(const std::string& node_id, const std::string& why)
   cv_.notify_all();
 }
 
+void RouterService::FoldLoadLocked() {
+  const double a = options_.load_ema;
+  for (int64_t l = 0; l < config_.num_layers; ++l)
+    for (int64_t e = 0; e < config_.num_experts; ++e) {
+      ema_[l][e] = a * static_cast<double>(interval_[l][e]) + (1.0 - a) * ema_[l][e];
+      interval_[l][e] = 0;
+    }
+  if (!placement_ || options_.rebalance_after <= 0) return;
+  if (NodeImbalance(*placement_, ema_) > options_.rebalance_threshold) {
+    if (++over_threshold_ >= options_.rebalance_after) {
+      std::fprintf(stderr, "router: node load max/mean %.3f > %.2f for %d intervals: rebalancing\n", NodeImbalance(*placement_, ema_),
+                   options_.rebalance_threshold, over_threshold_);
+      rebalance_ = true;
+      over_threshold_ = 0;
+    }
+  } else {
+    over_threshold_ = 0;
+  }
+}
+
+void RouterService::ReleaseSlots(const std::vector<std::string>& nodes, uint64_t keep_version) {
+  std::vector<v1::ExpertAdmin::Stub*> admins;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& id : nodes) {
+      auto it = experts_.find(id);
+      if (it != experts_.end()) admins.push_back(it->second.admin.get());
+    }
+  }
+  for (auto* admin : admins) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kProbeDeadline);
+    v1::ReleaseSlotsRequest req;
+    req.set_keep_version(keep_version);
+    v1::ReleaseSlotsResponse resp;
+    admin->ReleaseSlots(&ctx, req, &resp);  // best effort: a node that misses it frees them on its next change
+  }
+}
+
+bool RouterService::ChangePlacement(std::shared_ptr<const PlacementTable> table, std::shared_ptr<const PlacementTable> old) {
+  const uint64_t v = table->version, old_v = old ? old->version : 0;
+  // (1) Every node of the new table loads its slots (beside the ones it holds), in parallel.
+  std::vector<std::string> ids;
+  std::vector<v1::ExpertAdmin::Stub*> admins;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const NodeInfo& n : table->nodes) {
+      auto it = experts_.find(n.node_id);
+      if (it == experts_.end()) continue;  // gone meanwhile: its load fails below
+      ids.push_back(n.node_id);
+      admins.push_back(it->second.admin.get());
+    }
+  }
+  std::vector<std::future<grpc::Status>> loads;
+  for (size_t i = 0; i < table->nodes.size(); ++i) {
+    auto it = std::find(ids.begin(), ids.end(), table->nodes[i].node_id);
+    if (it == ids.end()) {
+      loads.push_back(std::async(std::launch::deferred, [] { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "node gone"); }));
+      continue;
+    }
+    v1::ExpertAdmin::Stub* admin = admins[it - ids.begin()];
+    v1::LoadSlotsRequest req;
+    req.set_version(v);
+    for (const Slot& s : table->SlotsOf(static_cast<int32_t>(i))) {
+      auto* ps = req.add_slots();
+      ps->set_layer(s.layer);
+      ps->set_expert(s.expert);
+    }
+    loads.push_back(std::async(std::launch::async, [admin, req = std::move(req), timeout = options_.placement_timeout] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+      v1::LoadSlotsResponse resp;
+      return admin->LoadSlots(&ctx, req, &resp);
+    }));
+  }
+  std::vector<std::pair<std::string, grpc::Status>> failed;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    grpc::Status s = loads[i].get();
+    if (!s.ok()) failed.emplace_back(table->nodes[i].node_id, s);
+  }
+  std::vector<std::string> table_ids;
+  for (const NodeInfo& n : table->nodes) table_ids.push_back(n.node_id);
+  if (!failed.empty()) {
+    // Abandoned: the nodes free what they loaded for it, serving stays on the old version, and a
+    // node that did not get ready leaves the pool (the next change places over the others).
+    for (const auto& [id, s] : failed)
+      std::fprintf(stderr, "router: placement v%lu abandoned: expert node %s not ready within %s (%s); serving stays on v%lu\n",
+                   static_cast<unsigned long>(v), id.c_str(), absl::FormatDuration(options_.placement_timeout).c_str(),
+                   s.error_message().c_str(), static_cast<unsigned long>(old_v));
+    m_rebalances_->WithLabels({"abandoned"}).Inc();
+    std::vector<std::string> loaded;
+    for (const std::string& id : table_ids)
+      if (std::none_of(failed.begin(), failed.end(), [&](const auto& f) { return f.first == id; })) loaded.push_back(id);
+    ReleaseSlots(loaded, old_v);
+    for (const auto& [id, s] : failed)
+      DropNode(id, s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ? "not ready within the placement timeout" : "LoadSlots failed");
+    return false;
+  }
+  // (2) Publish: watchers get it, attention nodes switch between dispatches.
+  std::unique_lock<std::mutex> lock(mu_);
+  placement_ = table;
+  m_version_->Set(static_cast<double>(v));
+  m_placements_->Inc();
+  std::fprintf(stderr, "router: placement v%lu over %zu expert nodes (%s), %ld slots moved\n", static_cast<unsigned long>(v),
+               table->nodes.size(), table->complete() ? "complete" : "incomplete",
+               static_cast<long>(old ? SlotsMoved(*old, *table) : 0));
+  cv_.notify_all();
+  // (3) Drained: every attention node runs v with nothing in flight on another version.
+  const absl::Time end = absl::Now() + options_.placement_timeout;
+  auto all_acked = [&] {
+    for (const auto& [id, acked] : attention_)
+      if (acked < v) return false;
+    return true;
+  };
+  while (!stopping_ && !all_acked() && absl::Now() < end) cv_.wait_for(lock, std::chrono::milliseconds(20));
+  if (!all_acked() && !stopping_) {
+    std::string late;
+    for (const auto& [id, acked] : attention_)
+      if (acked < v) absl::StrAppend(&late, late.empty() ? "" : ", ", id);
+    std::fprintf(stderr, "router: placement v%lu: %s did not confirm within %s; freeing the old slots (dispatches have timed out)\n",
+                 static_cast<unsigned long>(v), late.c_str(), absl::FormatDuration(options_.placement_timeout).c_str());
+  }
+  // (4) Free what no placement in use needs, on the new nodes and on those that left.
+  std::vector<std::string> release = table_ids;
+  if (old)
+    for (const NodeInfo& n : old->nodes)
+      if (!Hosts(*table, n.node_id)) release.push_back(n.node_id);
+  lock.unlock();
+  ReleaseSlots(release, v);
+  lock.lock();
+  m_rebalances_->WithLabels({"completed"}).Inc();
+  if (old) m_moved_->Inc(static_cast<double>(SlotsMoved(*old, *table)));
+  return true;
+}
+
 void RouterService::PlacerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
+  absl::Time next_fold = absl::Now() + options_.load_interval;
   while (!stopping_) {
-    if (!dirty_) {
-      cv_.wait_for(lock, std::chrono::milliseconds(200));
+    if (absl::Now() >= next_fold) {
+      FoldLoadLocked();
+      next_fold = absl::Now() + options_.load_interval;
+    }
+    if (!dirty_ && !rebalance_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(50));
       continue;
     }
     // Let a burst of registrations settle into one placement.
     lock.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    absl::SleepFor(options_.settle);
     lock.lock();
-    dirty_ = false;
+    if (stopping_) break;
+    const bool rebalance = rebalance_;
+    dirty_ = rebalance_ = false;
     std::vector<NodeInfo> nodes;
-    std::vector<v1::ExpertAdmin::Stub*> admins;
+    std::vector<int32_t> capacity;
     for (auto& [id, n] : experts_) {
+      if (n.leaving) continue;
       nodes.push_back(n.info);
-      admins.push_back(n.admin.get());
+      capacity.push_back(n.capacity);
     }
-    auto table = std::make_shared<PlacementTable>(EvenPlacement(config_, nodes, next_version_++));
+    std::shared_ptr<const PlacementTable> old = placement_;
+    auto table = EplbPlacement(config_, nodes, capacity, ema_, old.get(), options_.eplb, next_version_);
+    if (!table.ok()) {
+      std::fprintf(stderr, "router: no placement over %zu expert nodes: %s\n", nodes.size(), std::string(table.status().message()).c_str());
+      continue;
+    }
+    if (old && SameAssignment(*old, *table)) {
+      if (rebalance) std::fprintf(stderr, "router: rebalance: placement v%lu is already balanced\n", static_cast<unsigned long>(old->version));
+      cv_.notify_all();
+      continue;
+    }
+    next_version_++;
+    in_progress_ = true;
+    m_in_progress_->Set(1);
     lock.unlock();
-    // Each node loads its slots before anyone routes to them.
-    std::vector<std::string> failed;
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      v1::LoadSlotsRequest req;
-      req.set_version(table->version);
-      for (const Slot& s : table->SlotsOf(static_cast<int32_t>(i))) {
-        auto* ps = req.add_slots();
-        ps->set_layer(s.layer);
-        ps->set_expert(s.expert);
-      }
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + kLoadSlotsDeadline);
-      v1::LoadSlotsResponse resp;
-      const grpc::Status s = admins[i]->LoadSlots(&ctx, req, &resp);
-      if (!s.ok()) failed.push_back(nodes[i].node_id + ": " + s.error_message());
-    }
-    if (!failed.empty()) {
-      for (const auto& f : failed) DropNode(f.substr(0, f.find(':')), "LoadSlots failed");
-      lock.lock();
-      continue;  // re-place over the survivors
-    }
+    ChangePlacement(std::make_shared<const PlacementTable>(std::move(*table)), old);
     lock.lock();
-    if (dirty_) continue;  // the node set changed meanwhile
-    placement_ = table;
-    m_version_->Set(static_cast<double>(table->version));
-    m_placements_->Inc();
-    std::fprintf(stderr, "router: placement v%lu over %zu expert nodes (%s)\n", static_cast<unsigned long>(table->version),
-                 nodes.size(), table->complete() ? "complete" : "incomplete");
+    in_progress_ = false;
+    m_in_progress_->Set(0);
     cv_.notify_all();
   }
 }

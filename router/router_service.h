@@ -1,5 +1,6 @@
 // The router's control plane: node registration, the versioned placement table and its watchers,
-// failure reports, load aggregation.
+// failure reports, load aggregation, and the placement changes (EPLB over the measured load)
+// carried out so that no admitted request fails (DESIGN §3).
 #pragma once
 
 #include <condition_variable>
@@ -11,6 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
+#include "absl/time/time.h"
 #include "common/metrics.h"
 #include "engine/config.h"
 #include "k3serve/v1/control.grpc.pb.h"
@@ -18,13 +22,26 @@
 namespace k3 {
 namespace v1 = ::k3serve::v1;
 }  // namespace k3
+#include "router/eplb.h"
 #include "router/placement.h"
 
 namespace k3::router {
 
+struct RouterOptions {
+  // A change whose new slots are not ready on every node within this is abandoned (serving stays
+  // on the old version); the old slots are freed at the latest this long after publishing.
+  absl::Duration placement_timeout = absl::Seconds(30);
+  absl::Duration settle = absl::Milliseconds(50);  // lets a burst of registrations become one change
+  absl::Duration load_interval = absl::Seconds(1);  // the load EMA's step
+  double load_ema = 0.3;                            // weight of the newest interval
+  double rebalance_threshold = 1.15;                // max/mean node load that calls for a rebalance ...
+  int rebalance_after = 3;                          // ... for this many intervals in a row (0: never)
+  EplbOptions eplb;
+};
+
 class RouterService final : public v1::Router::Service {
  public:
-  RouterService(ModelConfig config, metrics::Registry& registry);
+  RouterService(ModelConfig config, metrics::Registry& registry, RouterOptions options = {});
   ~RouterService() override;
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
@@ -35,31 +52,51 @@ class RouterService final : public v1::Router::Service {
                                  v1::ReportNodeFailureResponse* resp) override;
   grpc::Status ReportLoad(grpc::ServerContext* ctx, const v1::LoadReport* req, v1::ReportLoadResponse* resp) override;
   grpc::Status GetPlacement(grpc::ServerContext* ctx, const v1::GetPlacementRequest* req, v1::Placement* resp) override;
+  grpc::Status AckPlacement(grpc::ServerContext* ctx, const v1::AckPlacementRequest* req,
+                            v1::AckPlacementResponse* resp) override;
+  grpc::Status LeaveNode(grpc::ServerContext* ctx, const v1::LeaveNodeRequest* req, v1::LeaveNodeResponse* resp) override;
 
   // Ends every watch stream (shutdown).
   void Stop();
+  // Asks for an EPLB re-placement over the current load (the admin endpoint).
+  void RequestRebalance();
   // Per-expert token counts over all reports since start: [layer][expert].
   std::vector<std::vector<int64_t>> ExpertLoad() const;
+  // /admin/expert_load: per MoE layer the tokens, their EMA and each expert's replicas (node ids).
+  nlohmann::json ExpertLoadJson() const;
 
  private:
   struct ExpertNodeState {
     NodeInfo info;
+    int32_t capacity = 0;
+    bool leaving = false;  // asked to leave: placed nowhere, dropped once a placement without it is in use
     std::unique_ptr<v1::ExpertAdmin::Stub> admin;
   };
-  // Recomputes the placement over the live expert nodes, has each node load its slots, publishes.
+  // The reconcile loop: on a node-set change or a rebalance, computes the EPLB table and carries
+  // the change out (ChangePlacement); every load interval folds the reports into the EMA.
   void PlacerLoop();
+  // Loads → ready → publish → drained → release; false if abandoned. Called without mu_.
+  bool ChangePlacement(std::shared_ptr<const PlacementTable> table, std::shared_ptr<const PlacementTable> old);
+  void ReleaseSlots(const std::vector<std::string>& nodes, uint64_t keep_version);
   void DropNode(const std::string& node_id, const std::string& why);
+  void FoldLoadLocked();
 
   const ModelConfig config_;
+  const RouterOptions options_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // placement published, node set changed, or stopping
+  std::condition_variable cv_;  // placement published or acknowledged, node set changed, or stopping
   std::map<std::string, ExpertNodeState> experts_;  // live expert nodes by id
-  std::set<std::string> attention_;
+  std::map<std::string, uint64_t> attention_;       // attention nodes by id -> placement version acknowledged
   bool dirty_ = false;  // the node set changed since the last placement
+  bool rebalance_ = false;  // a rebalance was asked for (load, or on demand)
+  bool in_progress_ = false;
   bool stopping_ = false;
   uint64_t next_version_ = 1;
   std::shared_ptr<const PlacementTable> placement_;
-  std::vector<std::vector<int64_t>> load_;  // [layer][expert] tokens
+  std::vector<std::vector<int64_t>> load_;      // [layer][expert] tokens since start
+  std::vector<std::vector<int64_t>> interval_;  // ... since the last fold
+  std::vector<std::vector<double>> ema_;        // the placement's input
+  int over_threshold_ = 0;                      // intervals in a row above the rebalance threshold
   std::thread placer_;
 
   metrics::Gauge* m_version_;
@@ -69,6 +106,9 @@ class RouterService final : public v1::Router::Service {
   metrics::Family<metrics::Gauge>* m_imbalance_;
   metrics::Family<metrics::Gauge>* m_node_load_;
   metrics::Family<metrics::Counter>* m_failures_;
+  metrics::Family<metrics::Counter>* m_rebalances_;
+  metrics::Counter* m_moved_;
+  metrics::Gauge* m_in_progress_;
 };
 
 }  // namespace k3::router

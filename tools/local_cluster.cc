@@ -138,11 +138,10 @@ LocalCluster::~LocalCluster() {
 absl::Status LocalCluster::StartRouter(int port) {
   const std::string ready = absl::StrCat(options_.work_dir, "/router.ready");
   fs::remove(ready);
-  K3_ASSIGN_OR_RETURN(router_, Process::Spawn("router",
-                                              {options_.bin_dir + "/k3serve-router", "--model=" + options_.model,
-                                               "--host=127.0.0.1", absl::StrCat("--grpc-port=", port),
-                                               "--metrics-port=0", "--ready-file=" + ready},
-                                              absl::StrCat(options_.work_dir, "/router.log")));
+  std::vector<std::string> argv = {options_.bin_dir + "/k3serve-router", "--model=" + options_.model, "--host=127.0.0.1",
+                                   absl::StrCat("--grpc-port=", port), "--metrics-port=0", "--ready-file=" + ready};
+  argv.insert(argv.end(), options_.router_args.begin(), options_.router_args.end());
+  K3_ASSIGN_OR_RETURN(router_, Process::Spawn("router", argv, absl::StrCat(options_.work_dir, "/router.log")));
   K3_ASSIGN_OR_RETURN(auto fields, WaitReady(ready, *router_, absl::Seconds(30)));
   router_address_ = absl::StrCat("127.0.0.1:", fields[0]);
   router_metrics_ = std::stoi(fields[1]);

@@ -47,6 +47,7 @@ struct ClusterOptions {
   int attention_port = 0;  // first attention node's gRPC port (the next ones +1 each); 0: pick
   std::vector<std::string> attention_args;  // extra flags
   std::vector<std::string> expert_args;
+  std::vector<std::string> router_args;
 };
 
 class LocalCluster {
