@@ -247,6 +247,11 @@ nlohmann::json RouterService::ExpertLoadJson() const {
   out["nodes"] = nlohmann::json::array();
   if (placement_)
     for (const NodeInfo& n : placement_->nodes) out["nodes"].push_back(n.node_id);
+  // Node loads: the EMA of each expert's tokens split over its replicas, under the placement in use.
+  if (placement_) {
+    out["node_load_ema"] = NodeLoads(*placement_, ema_);
+    out["node_load_max_over_mean"] = NodeImbalance(*placement_, ema_);
+  }
   out["layers"] = nlohmann::json::array();
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     if (config_.mlp[l] != Mlp::kMoe) continue;
@@ -254,6 +259,9 @@ nlohmann::json RouterService::ExpertLoadJson() const {
     layer["layer"] = l;
     layer["tokens"] = load_[l];
     layer["tokens_ema"] = ema_[l];
+    const double sum = std::accumulate(ema_[l].begin(), ema_[l].end(), 0.0);
+    layer["expert_max_over_mean"] = sum > 0 ? *std::max_element(ema_[l].begin(), ema_[l].end()) * ema_[l].size() / sum : 1.0;
+    if (placement_) layer["node_load_max_over_mean"] = NodeImbalance(*placement_, ema_, l);
     nlohmann::json replicas = nlohmann::json::array();
     if (placement_ && l < static_cast<int64_t>(placement_->replicas.size()))
       for (const auto& hosts : placement_->replicas[l]) {

@@ -2,6 +2,7 @@
 // node joining and one leaving lose no request, and a change that stalls is abandoned while
 // serving continues on the old placement.
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 
 #include <atomic>
@@ -10,7 +11,12 @@
 #include <sstream>
 #include <thread>
 
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
 #include "absl/time/clock.h"
+#include "engine/engine.h"
 #include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/golden.h"
@@ -176,6 +182,98 @@ TEST(Rebalance, StalledChangeIsAbandonedAndServingContinues) {
   load.Expect();
   c.expert(2).Signal(SIGKILL);
   c.expert(2).Wait(absl::Seconds(5));
+}
+
+nlohmann::json ExpertLoad(LocalCluster& c) {
+  auto body = HttpGet("127.0.0.1", c.router_metrics_port(), "/admin/expert_load");
+  if (!body.ok()) return {};
+  return nlohmann::json::parse(*body, nullptr, false);
+}
+
+// A model whose router bias makes expert popularity Zipf(1.2), on 1 attention and 3 expert nodes
+// under 16 bounded streams: an on-demand rebalance (POST /admin/rebalance) evens the node load,
+// nothing fails, and every greedy continuation (frozen routing) is the in-process engine's.
+TEST(Rebalance, SkewedModelRebalancedUnderLoad) {
+  const std::string dir = ::testing::TempDir() + "/k3_rebalance_zipf";
+  std::filesystem::remove_all(dir);
+  const std::string mk = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + testing::SourceDir() +
+                         "/tools/configs/tiny-k3.json --out " + dir + " --seed 5 --router-skew zipf:1.2 > /dev/null";
+  ASSERT_EQ(std::system(mk.c_str()), 0);
+  auto model = Model::Load(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::vector<std::vector<int32_t>> prompts = {{1, 5, 77, 300}, {12, 9, 450, 33, 2, 101}, {7}, {200, 201, 202, 17, 88}};
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& p : prompts) {
+    auto w = GenerateGreedy(**model, p, 16);
+    ASSERT_TRUE(w.ok());
+    want.push_back(*w);
+  }
+  ClusterOptions o = Options(3);
+  o.model = dir;
+  o.router_args = {"--rebalance-after=0", "--load-interval=0.5", "--redundancy=0.25"};
+  o.attention_args = {"--load-interval=0.25"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  LocalCluster& c = **cluster;
+  std::atomic<int> done{0}, failed{0}, wrong{0};
+  std::atomic<bool> stop{false};
+  std::string first_error;
+  std::mutex mu;
+  std::vector<std::thread> streams;
+  const int kStreams = 16, kMaxRequests = 60;  // bounded: each stream stops at the end or after this many
+  for (int s = 0; s < kStreams; ++s)
+    streams.emplace_back([&, s] {
+      InferenceClient client(c.attention_addresses()[0]);
+      for (int n = 0; n < kMaxRequests && !stop; ++n) {
+        const size_t i = (s + n) % prompts.size();
+        SamplingParams sp;
+        sp.max_new_tokens = 16;
+        sp.ignore_eos = true;
+        auto r = client.Generate(prompts[i], sp, absl::Seconds(60));
+        if (!r.ok()) {
+          failed++;
+          std::lock_guard<std::mutex> lock(mu);
+          if (first_error.empty()) first_error = r.status().ToString();
+        } else if (r->tokens != want[i]) {
+          wrong++;
+        }
+        done++;
+      }
+    });
+  // The load EMA over a few intervals, a rebalance, a few intervals more.
+  auto ema_total = [&] {
+    double sum = 0;
+    for (const auto& l : ExpertLoad(c)["layers"])
+      for (double v : l["tokens_ema"]) sum += v;
+    return sum;
+  };
+  for (int i = 0; i < 500 && ema_total() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  nlohmann::json before = ExpertLoad(c);
+  const double completed = RouterMetric(c, "k3serve_rebalances_total", "completed");
+  httplib::Client admin("127.0.0.1", c.router_metrics_port());
+  auto posted = admin.Post("/admin/rebalance");
+  ASSERT_TRUE(posted && posted->status == 202);
+  EXPECT_GE(WaitRouterMetric(c, "k3serve_rebalances_total", "completed", completed + 1, absl::Seconds(20)), completed + 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  nlohmann::json after = ExpertLoad(c);
+  stop = true;
+  for (auto& t : streams) t.join();
+  EXPECT_EQ(failed, 0) << first_error;
+  EXPECT_EQ(wrong, 0) << "continuations that differ from the in-process engine's";
+  ASSERT_TRUE(before.contains("node_load_max_over_mean") && after.contains("node_load_max_over_mean"));
+  const double b = before["node_load_max_over_mean"], a = after["node_load_max_over_mean"];
+  std::printf("zipf:1.2 model, 3 expert nodes, %d requests (%d failed, %d wrong): node load max/mean %.3f before the rebalance "
+              "(placement v%d), %.3f after (v%d)\n",
+              done.load(), failed.load(), wrong.load(), b, before["placement_version"].get<int>(), a,
+              after["placement_version"].get<int>());
+  for (size_t l = 0; l < before["layers"].size(); ++l)
+    std::printf("  layer %d: expert max/mean %.2f; node max/mean %.3f -> %.3f\n", before["layers"][l]["layer"].get<int>(),
+                before["layers"][l]["expert_max_over_mean"].get<double>(), before["layers"][l]["node_load_max_over_mean"].get<double>(),
+                after["layers"][l]["node_load_max_over_mean"].get<double>());
+  EXPECT_GT(before["layers"][0]["expert_max_over_mean"].get<double>(), 2.0) << "the skewed model should load its experts unevenly";
+  EXPECT_LT(a, b);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
