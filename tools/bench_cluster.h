@@ -16,6 +16,9 @@ struct BenchOptions {
   int max_tokens = 64;
   int attention = 1;
   int experts = 2;
+  // Let the router rebalance (EPLB, redundant slots) on measured imbalance: after the first pass it
+  // waits for the rebalance, runs a second pass, and prints per-layer and per-node load of both.
+  bool skew = false;
 };
 
 absl::Status RunClusterBench(const BenchOptions& options);

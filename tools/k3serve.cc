@@ -37,6 +37,7 @@ ABSL_FLAG(int, experts, 2, "expert nodes (up, bench)");
 ABSL_FLAG(int, port, 50051, "first attention node's gRPC port (up; 0: pick)");
 ABSL_FLAG(int, streams, 16, "concurrent streams (bench)");
 ABSL_FLAG(int, prompt_len, 64, "prompt tokens per stream (bench)");
+ABSL_FLAG(bool, skew, false, "bench: let the router rebalance on measured load; per-layer and per-node load before and after");
 
 namespace k3 {
 namespace {
@@ -167,6 +168,7 @@ int Bench() {
   o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   o.attention = absl::GetFlag(FLAGS_attention);
   o.experts = absl::GetFlag(FLAGS_experts);
+  o.skew = absl::GetFlag(FLAGS_skew);
   if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
   const absl::Status s = RunClusterBench(o);
   return s.ok() ? 0 : Error(s);
@@ -180,7 +182,7 @@ int main(int argc, char** argv) {
       "k3serve <command> [flags]\n"
       "  up --model DIR [--attention M --experts N --port 50051]     start a local cluster; Ctrl-C stops it\n"
       "  generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N  stream tokens from a server\n"
-      "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2]\n"
+      "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2 --skew]\n"
       "  local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N  the in-process engine, no services\n"
       "sampling flags: --temperature T --top-k K --top-p P --seed S --ignore-eos");
   k3::NormalizeFlagNames(argc, argv);
