@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/http_server.h"
@@ -25,6 +26,8 @@ ABSL_FLAG(double, redundancy, 0.0, "redundant expert slots per MoE layer, as a f
 ABSL_FLAG(double, load_interval, 1.0, "seconds per step of the per-expert load EMA (and of the rebalance check)");
 ABSL_FLAG(double, rebalance_threshold, 1.15, "max/mean expert-node load above which the router rebalances ...");
 ABSL_FLAG(int, rebalance_after, 3, "... for this many load intervals in a row (0: only on demand)");
+ABSL_FLAG(std::vector<std::string>, expert_metrics_layers, {},
+          "MoE layers (comma-separated) that get per-expert k3serve_expert_tokens_total series; keep it short");
 
 int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
@@ -53,6 +56,12 @@ int main(int argc, char** argv) {
   if (!(ropt.load_interval > absl::ZeroDuration())) return bad("load-interval", "must be > 0");
   if (!(ropt.rebalance_threshold >= 1)) return bad("rebalance-threshold", "must be >= 1");
   if (ropt.rebalance_after < 0) return bad("rebalance-after", "must be >= 0");
+  for (const std::string& l : absl::GetFlag(FLAGS_expert_metrics_layers)) {
+    int64_t layer = -1;
+    if (!absl::SimpleAtoi(l, &layer) || layer < 0 || layer >= config->num_layers || config->mlp[layer] != k3::Mlp::kMoe)
+      return bad("expert-metrics-layers", ("lists \"" + l + "\", which is not a MoE layer of the model").c_str());
+    ropt.expert_metrics_layers.push_back(layer);
+  }
   k3::router::RouterService service(*config, registry, ropt);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
   if (!grpc.ok()) {

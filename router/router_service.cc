@@ -51,6 +51,16 @@ RouterService::RouterService(ModelConfig config, metrics::Registry& reg, RouterO
   m_rebalances_->WithLabels({"abandoned"});
   m_moved_ = &metrics::Must(reg.AddCounter("k3serve_experts_moved_total", "Slots loaded on a node that did not hold them, over all completed changes."))->WithLabels();
   m_in_progress_ = &metrics::Must(reg.AddGauge("k3serve_rebalance_in_progress", "1 while a placement change is under way."))->WithLabels();
+  // Only the checkpoint's bias is applied (frozen); the mode and its bias version are exported so
+  // that dashboards see which one serves.
+  auto* mode = metrics::Must(reg.AddGauge("k3serve_routing_mode", "1 for the routing mode in use (frozen: the checkpoint's bias).", {"mode"}));
+  mode->WithLabels({"frozen"}).Set(1);
+  mode->WithLabels({"adaptive"}).Set(0);
+  metrics::Must(reg.AddGauge("k3serve_routing_bias_version", "Version of the routing bias pushed with the placement (0: the checkpoint's)."))->WithLabels().Set(0);
+  if (!options_.expert_metrics_layers.empty())
+    m_expert_tokens_ = metrics::Must(reg.AddCounter("k3serve_expert_tokens_total",
+                                                    "Tokens routed to each expert, for the layers named by --expert-metrics-layers.",
+                                                    {"layer", "expert"}));
   placer_ = std::thread([this] { PlacerLoop(); });
 }
 
@@ -177,6 +187,10 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
       row[e] += l.tokens_per_expert(e);
       in[e] += l.tokens_per_expert(e);
     }
+    if (m_expert_tokens_ && std::count(options_.expert_metrics_layers.begin(), options_.expert_metrics_layers.end(), l.layer()))
+      for (int e = 0; e < l.tokens_per_expert_size(); ++e)
+        if (l.tokens_per_expert(e) > 0)
+          m_expert_tokens_->WithLabels({std::to_string(l.layer()), std::to_string(e)}).Inc(static_cast<double>(l.tokens_per_expert(e)));
     const int64_t total = std::accumulate(row.begin(), row.end(), int64_t{0});
     if (total > 0) {
       const double mean = static_cast<double>(total) / row.size();

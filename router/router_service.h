@@ -37,6 +37,7 @@ struct RouterOptions {
   double rebalance_threshold = 1.15;                // max/mean node load that calls for a rebalance ...
   int rebalance_after = 3;                          // ... for this many intervals in a row (0: never)
   EplbOptions eplb;
+  std::vector<int64_t> expert_metrics_layers;  // layers with per-expert k3serve_expert_tokens_total series
 };
 
 class RouterService final : public v1::Router::Service {
@@ -109,6 +110,7 @@ class RouterService final : public v1::Router::Service {
   metrics::Family<metrics::Counter>* m_rebalances_;
   metrics::Counter* m_moved_;
   metrics::Gauge* m_in_progress_;
+  metrics::Family<metrics::Counter>* m_expert_tokens_ = nullptr;  // only with expert_metrics_layers
 };
 
 }  // namespace k3::router

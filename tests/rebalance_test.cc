@@ -210,7 +210,7 @@ TEST(Rebalance, SkewedModelRebalancedUnderLoad) {
   }
   ClusterOptions o = Options(3);
   o.model = dir;
-  o.router_args = {"--rebalance-after=0", "--load-interval=0.5", "--redundancy=0.25"};
+  o.router_args = {"--rebalance-after=0", "--load-interval=0.5", "--redundancy=0.25", "--expert-metrics-layers=1"};
   o.attention_args = {"--load-interval=0.25"};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -273,6 +273,11 @@ TEST(Rebalance, SkewedModelRebalancedUnderLoad) {
                 after["layers"][l]["node_load_max_over_mean"].get<double>());
   EXPECT_GT(before["layers"][0]["expert_max_over_mean"].get<double>(), 2.0) << "the skewed model should load its experts unevenly";
   EXPECT_LT(a, b);
+  // Per-expert series only for the layers asked for; frozen routing in use.
+  EXPECT_GT(RouterMetric(c, "k3serve_expert_tokens_total", "layer=\"1\""), 0);
+  EXPECT_EQ(RouterMetric(c, "k3serve_expert_tokens_total", "layer=\"2\""), 0);
+  EXPECT_EQ(RouterMetric(c, "k3serve_routing_mode", "mode=\"frozen\""), 1);
+  EXPECT_GE(RouterMetric(c, "k3serve_experts_moved_total"), 1);
   std::filesystem::remove_all(dir);
 }
 
