@@ -43,6 +43,7 @@ ABSL_FLAG(int, dispatch_timeout_ms, 10000, "an MoE dispatch that takes longer fa
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with K3SERVE_CUDA)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once listening");
 ABSL_FLAG(double, load_interval, 1.0, "seconds between load reports (per-expert tokens, QB histograms) to the router");
+ABSL_FLAG(int64_t, qb_bins, 1000, "bins per expert of the quantile-balancing histograms in the load reports (0: none)");
 
 namespace {
 
@@ -236,7 +237,8 @@ int main(int argc, char** argv) {
     if (Reporter* r = reporter.load()) r->NodeFailed(node, std::string(why.message()));
   };
   k3::router::Dispatcher dispatcher(config, **transport, dopt);
-  k3::router::LoadCountingExecutor counted(dispatcher, config);
+  if (absl::GetFlag(FLAGS_qb_bins) < 0) return Fail("--qb-bins", absl::InvalidArgumentError("--qb-bins must be >= 0"));
+  k3::router::LoadCountingExecutor counted(dispatcher, config, absl::GetFlag(FLAGS_qb_bins));
 
   auto* placement_version = &k3::metrics::Must(registry.AddGauge("k3serve_placement_version", "Expert placement in use."))->WithLabels();
   if (!(absl::GetFlag(FLAGS_load_interval) > 0))

@@ -35,6 +35,8 @@ RouterService::RouterService(ModelConfig config, metrics::Registry& reg, RouterO
   load_.assign(config_.num_layers, std::vector<int64_t>(config_.num_experts, 0));
   interval_ = load_;
   ema_.assign(config_.num_layers, std::vector<double>(config_.num_experts, 0.0));
+  qb_.resize(config_.num_layers);
+  qb_step_.resize(config_.num_layers);
   m_version_ = &metrics::Must(reg.AddGauge("k3serve_placement_version", "Version of the published expert placement."))->WithLabels();
   m_expert_nodes_ = &metrics::Must(reg.AddGauge("k3serve_router_expert_nodes", "Live registered expert nodes."))->WithLabels();
   m_attention_nodes_ = &metrics::Must(reg.AddGauge("k3serve_router_attention_nodes", "Attention nodes watching the placement."))->WithLabels();
@@ -179,6 +181,11 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
     if (l.tokens_per_expert_size() != config_.num_experts)
       return {grpc::StatusCode::INVALID_ARGUMENT,
               absl::StrCat("layers.tokens_per_expert has ", l.tokens_per_expert_size(), " entries, expected ", config_.num_experts)};
+    if (l.qb_bins() < 0 || (l.qb_bins() > 0 && l.qb_histogram_size() != int64_t{l.qb_bins()} * config_.num_experts))
+      return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("layers.qb_histogram has ", l.qb_histogram_size(),
+                                                               " counts, expected qb_bins x experts = ", int64_t{l.qb_bins()} * config_.num_experts)};
+    if (l.qb_bins() > 0 && !(l.qb_rmax() > l.qb_rmin()))
+      return {grpc::StatusCode::INVALID_ARGUMENT, "layers.qb_rmax must be > layers.qb_rmin"};
   }
   for (const auto& l : req->layers()) {
     auto& row = load_[l.layer()];
@@ -186,6 +193,13 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
     for (int e = 0; e < l.tokens_per_expert_size(); ++e) {
       row[e] += l.tokens_per_expert(e);
       in[e] += l.tokens_per_expert(e);
+    }
+    if (l.qb_bins() > 0) {
+      // Nodes share the range (the same bias); a different one restarts the interval's sum.
+      QbHistogram& h = qb_[l.layer()];
+      if (h.bins != l.qb_bins() || h.rmin != l.qb_rmin() || h.rmax != l.qb_rmax())
+        h = {l.qb_bins(), config_.num_experts, l.qb_rmin(), l.qb_rmax(), std::vector<int64_t>(l.qb_histogram_size(), 0)};
+      for (int i = 0; i < l.qb_histogram_size(); ++i) h.counts[i] += l.qb_histogram(i);
     }
     if (m_expert_tokens_ && std::count(options_.expert_metrics_layers.begin(), options_.expert_metrics_layers.end(), l.layer()))
       for (int e = 0; e < l.tokens_per_expert_size(); ++e)
@@ -276,6 +290,7 @@ nlohmann::json RouterService::ExpertLoadJson() const {
     const double sum = std::accumulate(ema_[l].begin(), ema_[l].end(), 0.0);
     layer["expert_max_over_mean"] = sum > 0 ? *std::max_element(ema_[l].begin(), ema_[l].end()) * ema_[l].size() / sum : 1.0;
     if (placement_) layer["node_load_max_over_mean"] = NodeImbalance(*placement_, ema_, l);
+    layer["qb_bias_step"] = qb_step_[l];  // what quantile balancing would add to the bias (not applied: frozen)
     nlohmann::json replicas = nlohmann::json::array();
     if (placement_ && l < static_cast<int64_t>(placement_->replicas.size()))
       for (const auto& hosts : placement_->replicas[l]) {
@@ -306,6 +321,14 @@ void RouterService::FoldLoadLocked() {
       ema_[l][e] = a * static_cast<double>(interval_[l][e]) + (1.0 - a) * ema_[l][e];
       interval_[l][e] = 0;
     }
+  // The quantile-balancing estimate of each layer's bias step (reported; frozen routing does not apply it).
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    QbHistogram& h = qb_[l];
+    if (h.bins <= 0 || h.tokens() == 0) continue;
+    auto step = QbEstimate(h, config_.top_k);
+    if (step.ok()) qb_step_[l] = std::move(*step);
+    std::fill(h.counts.begin(), h.counts.end(), 0);
+  }
   if (!placement_ || options_.rebalance_after <= 0) return;
   if (NodeImbalance(*placement_, ema_) > options_.rebalance_threshold) {
     if (++over_threshold_ >= options_.rebalance_after) {

@@ -24,6 +24,7 @@ namespace v1 = ::k3serve::v1;
 }  // namespace k3
 #include "router/eplb.h"
 #include "router/placement.h"
+#include "router/qb.h"
 
 namespace k3::router {
 
@@ -97,6 +98,8 @@ class RouterService final : public v1::Router::Service {
   std::vector<std::vector<int64_t>> load_;      // [layer][expert] tokens since start
   std::vector<std::vector<int64_t>> interval_;  // ... since the last fold
   std::vector<std::vector<double>> ema_;        // the placement's input
+  std::vector<QbHistogram> qb_;                 // per layer, summed over nodes since the last fold
+  std::vector<std::vector<float>> qb_step_;     // per layer: the last QB estimate of the bias step
   int over_threshold_ = 0;                      // intervals in a row above the rebalance threshold
   std::thread placer_;
 

@@ -273,6 +273,18 @@ TEST(Rebalance, SkewedModelRebalancedUnderLoad) {
                 after["layers"][l]["node_load_max_over_mean"].get<double>());
   EXPECT_GT(before["layers"][0]["expert_max_over_mean"].get<double>(), 2.0) << "the skewed model should load its experts unevenly";
   EXPECT_LT(a, b);
+  // The QB histograms reached the router: its bias step lowers the most loaded expert of a layer
+  // and raises the least loaded one.
+  const auto& layer = after["layers"][0];
+  const std::vector<double> ema = layer["tokens_ema"];
+  const std::vector<double> step = layer["qb_bias_step"];
+  ASSERT_EQ(step.size(), ema.size());
+  const size_t hot = std::max_element(ema.begin(), ema.end()) - ema.begin();
+  const size_t cold = std::min_element(ema.begin(), ema.end()) - ema.begin();
+  EXPECT_LT(step[hot], 0) << "expert " << hot;
+  EXPECT_GT(step[cold], 0) << "expert " << cold;
+  std::printf("QB bias step of layer %d: hottest expert %zu %.4f, coldest %zu %+.4f\n", layer["layer"].get<int>(), hot, step[hot],
+              cold, step[cold]);
   // Per-expert series only for the layers asked for; frozen routing in use.
   EXPECT_GT(RouterMetric(c, "k3serve_expert_tokens_total", "layer=\"1\""), 0);
   EXPECT_EQ(RouterMetric(c, "k3serve_expert_tokens_total", "layer=\"2\""), 0);
