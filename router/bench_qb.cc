@@ -26,14 +26,16 @@ struct Args {
   std::vector<int64_t> bins = {56, 256, 1000};
 };
 
+// "1,2.5,3" → {1, 2.5, 3}; empty if any entry is not a number.
 template <typename T>
 std::vector<T> List(const char* s) {
   std::vector<T> out;
   for (const char* p = s; *p;) {
     char* end = nullptr;
-    out.push_back(static_cast<T>(std::strtod(p, &end)));
+    const double v = std::strtod(p, &end);
+    if (end == p || (*end != ',' && *end != '\0')) return {};
+    out.push_back(static_cast<T>(v));
     p = *end == ',' ? end + 1 : end;
-    if (end == p && *p) break;
   }
   return out;
 }
@@ -126,8 +128,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (a.experts < 2 || a.top_k < 1 || a.top_k >= a.experts || a.tokens < 1) {
-    std::fprintf(stderr, "k3serve-bench-qb: need --experts >= 2, 1 <= --top-k < --experts, --tokens >= 1\n");
+  if (a.experts < 2 || a.top_k < 1 || a.top_k >= a.experts || a.tokens < 1 || a.steps < 1) {
+    std::fprintf(stderr, "k3serve-bench-qb: need --experts >= 2, 1 <= --top-k < --experts, --tokens >= 1, --steps >= 1\n");
+    return 2;
+  }
+  if (a.zipf.empty() || a.bins.empty() || *std::min_element(a.bins.begin(), a.bins.end()) < 1) {
+    std::fprintf(stderr, "k3serve-bench-qb: --zipf and --bins take comma-separated numbers (bins >= 1)\n");
     return 2;
   }
   const auto t0 = std::chrono::steady_clock::now();

@@ -263,11 +263,6 @@ grpc::Status RouterService::LeaveNode(grpc::ServerContext* ctx, const v1::LeaveN
   return {grpc::StatusCode::CANCELLED, "router stopping"};
 }
 
-std::vector<std::vector<int64_t>> RouterService::ExpertLoad() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return load_;
-}
-
 nlohmann::json RouterService::ExpertLoadJson() const {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json out;

@@ -62,8 +62,6 @@ class RouterService final : public v1::Router::Service {
   void Stop();
   // Asks for an EPLB re-placement over the current load (the admin endpoint).
   void RequestRebalance();
-  // Per-expert token counts over all reports since start: [layer][expert].
-  std::vector<std::vector<int64_t>> ExpertLoad() const;
   // /admin/expert_load: per MoE layer the tokens, their EMA and each expert's replicas (node ids).
   nlohmann::json ExpertLoadJson() const;
 
