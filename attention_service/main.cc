@@ -167,6 +167,11 @@ int main(int argc, char** argv) {
     k3::router::Dispatcher* d = experts_ready.load();
     return d != nullptr && d->ready();
   };
+  std::atomic<k3::router::LoadCountingExecutor*> routing{nullptr};  // set once the executor exists
+  iopt.routing = [&routing] {
+    k3::router::LoadCountingExecutor* c = routing.load();
+    return c ? c->routing() : std::pair<std::string, uint64_t>{"frozen", 0};
+  };
   k3::InferenceService service(iopt, registry);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service});
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
@@ -239,6 +244,7 @@ int main(int argc, char** argv) {
   k3::router::Dispatcher dispatcher(config, **transport, dopt);
   if (absl::GetFlag(FLAGS_qb_bins) < 0) return Fail("--qb-bins", absl::InvalidArgumentError("--qb-bins must be >= 0"));
   k3::router::LoadCountingExecutor counted(dispatcher, config, absl::GetFlag(FLAGS_qb_bins));
+  routing = &counted;
 
   auto* placement_version = &k3::metrics::Must(registry.AddGauge("k3serve_placement_version", "Expert placement in use."))->WithLabels();
   if (!(absl::GetFlag(FLAGS_load_interval) > 0))
@@ -252,6 +258,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "k3serve-attention: bad placement: %s\n", std::string(table.status().message()).c_str());
       return;
     }
+    if (auto s = counted.SetRouting(p); !s.ok())
+      std::fprintf(stderr, "k3serve-attention: routing of placement v%lu: %s\n", static_cast<unsigned long>(p.version()),
+                   std::string(s.message()).c_str());
     const absl::Status s = dispatcher.SetPlacement(std::make_shared<const k3::router::PlacementTable>(std::move(*table)));
     if (!s.ok()) std::fprintf(stderr, "k3serve-attention: placement v%lu: %s\n", static_cast<unsigned long>(p.version()), std::string(s.message()).c_str());
     placement_version->Set(static_cast<double>(p.version()));

@@ -26,6 +26,9 @@ ABSL_FLAG(double, redundancy, 0.0, "redundant expert slots per MoE layer, as a f
 ABSL_FLAG(double, load_interval, 1.0, "seconds per step of the per-expert load EMA (and of the rebalance check)");
 ABSL_FLAG(double, rebalance_threshold, 1.15, "max/mean expert-node load above which the router rebalances ...");
 ABSL_FLAG(int, rebalance_after, 3, "... for this many load intervals in a row (0: only on demand)");
+ABSL_FLAG(std::string, routing_mode, "frozen",
+          "frozen: the checkpoint's bias (exact model semantics); adaptive: plus the quantile-balancing estimate, refreshed every load interval");
+ABSL_FLAG(double, qb_max_step, 0.02, "adaptive routing: largest change of one expert's bias per load interval");
 ABSL_FLAG(std::vector<std::string>, expert_metrics_layers, {},
           "MoE layers (comma-separated) that get per-expert k3serve_expert_tokens_total series; keep it short");
 
@@ -56,6 +59,11 @@ int main(int argc, char** argv) {
   if (!(ropt.load_interval > absl::ZeroDuration())) return bad("load-interval", "must be > 0");
   if (!(ropt.rebalance_threshold >= 1)) return bad("rebalance-threshold", "must be >= 1");
   if (ropt.rebalance_after < 0) return bad("rebalance-after", "must be >= 0");
+  const std::string mode = absl::GetFlag(FLAGS_routing_mode);
+  if (mode != "frozen" && mode != "adaptive") return bad("routing-mode", "must be frozen or adaptive");
+  ropt.adaptive = mode == "adaptive";
+  ropt.qb_max_step = absl::GetFlag(FLAGS_qb_max_step);
+  if (!(ropt.qb_max_step > 0)) return bad("qb-max-step", "must be > 0");
   for (const std::string& l : absl::GetFlag(FLAGS_expert_metrics_layers)) {
     int64_t layer = -1;
     if (!absl::SimpleAtoi(l, &layer) || layer < 0 || layer >= config->num_layers || config->mlp[layer] != k3::Mlp::kMoe)

@@ -1,6 +1,7 @@
 #include "router/router_service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <future>
 #include <numeric>
 
@@ -53,12 +54,15 @@ RouterService::RouterService(ModelConfig config, metrics::Registry& reg, RouterO
   m_rebalances_->WithLabels({"abandoned"});
   m_moved_ = &metrics::Must(reg.AddCounter("k3serve_experts_moved_total", "Slots loaded on a node that did not hold them, over all completed changes."))->WithLabels();
   m_in_progress_ = &metrics::Must(reg.AddGauge("k3serve_rebalance_in_progress", "1 while a placement change is under way."))->WithLabels();
-  // Only the checkpoint's bias is applied (frozen); the mode and its bias version are exported so
-  // that dashboards see which one serves.
-  auto* mode = metrics::Must(reg.AddGauge("k3serve_routing_mode", "1 for the routing mode in use (frozen: the checkpoint's bias).", {"mode"}));
-  mode->WithLabels({"frozen"}).Set(1);
-  mode->WithLabels({"adaptive"}).Set(0);
-  metrics::Must(reg.AddGauge("k3serve_routing_bias_version", "Version of the routing bias pushed with the placement (0: the checkpoint's)."))->WithLabels().Set(0);
+  auto* mode = metrics::Must(reg.AddGauge("k3serve_routing_mode",
+                                          "1 for the routing mode in use (frozen: the checkpoint's bias; adaptive: plus the QB estimate).", {"mode"}));
+  mode->WithLabels({"frozen"}).Set(options_.adaptive ? 0 : 1);
+  mode->WithLabels({"adaptive"}).Set(options_.adaptive ? 1 : 0);
+  m_bias_version_ = &metrics::Must(reg.AddGauge("k3serve_routing_bias_version",
+                                                "Version of the routing bias pushed with the placement (0: the checkpoint's)."))->WithLabels();
+  m_bias_max_abs_ = metrics::Must(reg.AddGauge("k3serve_routing_bias_max_abs",
+                                               "Adaptive mode: largest |bias| the router adds to a layer's checkpoint bias.", {"layer"}));
+  bias_.resize(config_.num_layers);
   if (!options_.expert_metrics_layers.empty())
     m_expert_tokens_ = metrics::Must(reg.AddCounter("k3serve_expert_tokens_total",
                                                     "Tokens routed to each expert, for the layers named by --expert-metrics-layers.",
@@ -115,15 +119,16 @@ grpc::Status RouterService::RegisterNode(grpc::ServerContext*, const v1::Registe
 grpc::Status RouterService::WatchPlacement(grpc::ServerContext* ctx, const v1::WatchPlacementRequest* req,
                                            grpc::ServerWriter<v1::Placement>* writer) {
   const std::string id = req->node_id();
-  uint64_t sent = 0;
+  uint64_t sent = 0, sent_bias = 0;
   std::unique_lock<std::mutex> lock(mu_);
   const bool is_attention = attention_.count(id) > 0;
   m_attention_nodes_->Set(static_cast<double>(attention_.size()));
   while (!stopping_ && !ctx->IsCancelled()) {
-    if (placement_ && placement_->version != sent) {
+    if (placement_ && (placement_->version != sent || bias_version_ != sent_bias)) {
       v1::Placement p;
-      placement_->ToProto(&p);
+      PlacementProtoLocked(&p);
       sent = placement_->version;
+      sent_bias = bias_version_;
       lock.unlock();
       const bool ok = writer->Write(p);
       lock.lock();
@@ -224,8 +229,22 @@ grpc::Status RouterService::ReportLoad(grpc::ServerContext*, const v1::LoadRepor
 
 grpc::Status RouterService::GetPlacement(grpc::ServerContext*, const v1::GetPlacementRequest*, v1::Placement* resp) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (placement_) placement_->ToProto(resp);
+  PlacementProtoLocked(resp);
   return grpc::Status::OK;
+}
+
+void RouterService::PlacementProtoLocked(v1::Placement* out) const {
+  if (!placement_) return;
+  placement_->ToProto(out);
+  out->set_bias_version(bias_version_);
+  if (!options_.adaptive) return;
+  out->set_routing_mode(v1::ROUTING_MODE_ADAPTIVE);
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    if (bias_[l].empty()) continue;
+    auto* lb = out->add_biases();
+    lb->set_layer(static_cast<int32_t>(l));
+    *lb->mutable_bias() = {bias_[l].begin(), bias_[l].end()};
+  }
 }
 
 grpc::Status RouterService::AckPlacement(grpc::ServerContext*, const v1::AckPlacementRequest* req, v1::AckPlacementResponse*) {
@@ -267,6 +286,8 @@ nlohmann::json RouterService::ExpertLoadJson() const {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json out;
   out["placement_version"] = placement_ ? placement_->version : 0;
+  out["routing_mode"] = options_.adaptive ? "adaptive" : "frozen";
+  out["bias_version"] = bias_version_;
   out["nodes"] = nlohmann::json::array();
   if (placement_)
     for (const NodeInfo& n : placement_->nodes) out["nodes"].push_back(n.node_id);
@@ -285,7 +306,8 @@ nlohmann::json RouterService::ExpertLoadJson() const {
     const double sum = std::accumulate(ema_[l].begin(), ema_[l].end(), 0.0);
     layer["expert_max_over_mean"] = sum > 0 ? *std::max_element(ema_[l].begin(), ema_[l].end()) * ema_[l].size() / sum : 1.0;
     if (placement_) layer["node_load_max_over_mean"] = NodeImbalance(*placement_, ema_, l);
-    layer["qb_bias_step"] = qb_step_[l];  // what quantile balancing would add to the bias (not applied: frozen)
+    layer["qb_bias_step"] = qb_step_[l];  // the last QB estimate of the bias step
+    layer["bias"] = bias_[l];             // adaptive: added to the checkpoint's bias
     nlohmann::json replicas = nlohmann::json::array();
     if (placement_ && l < static_cast<int64_t>(placement_->replicas.size()))
       for (const auto& hosts : placement_->replicas[l]) {
@@ -316,13 +338,37 @@ void RouterService::FoldLoadLocked() {
       ema_[l][e] = a * static_cast<double>(interval_[l][e]) + (1.0 - a) * ema_[l][e];
       interval_[l][e] = 0;
     }
-  // The quantile-balancing estimate of each layer's bias step (reported; frozen routing does not apply it).
+  // The quantile-balancing estimate of each layer's bias step; adaptive mode applies it.
+  bool bias_changed = false;
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     QbHistogram& h = qb_[l];
     if (h.bins <= 0 || h.tokens() == 0) continue;
     auto step = QbEstimate(h, config_.top_k);
     if (step.ok()) qb_step_[l] = std::move(*step);
     std::fill(h.counts.begin(), h.counts.end(), 0);
+    if (!options_.adaptive || !step.ok()) continue;
+    // Each step bounded (the histogram is one interval's sample), the bias kept mean-centred.
+    auto& b = bias_[l];
+    b.resize(config_.num_experts, 0.0f);
+    const float m = static_cast<float>(options_.qb_max_step);
+    double mean = 0;
+    for (int64_t e = 0; e < config_.num_experts; ++e) {
+      b[e] += std::clamp(qb_step_[l][e], -m, m);
+      mean += b[e];
+    }
+    mean /= static_cast<double>(config_.num_experts);
+    float max_abs = 0;
+    for (float& v : b) {
+      v -= static_cast<float>(mean);
+      max_abs = std::max(max_abs, std::fabs(v));
+    }
+    m_bias_max_abs_->WithLabels({std::to_string(l)}).Set(max_abs);
+    bias_changed = true;
+  }
+  if (bias_changed) {
+    bias_version_++;
+    m_bias_version_->Set(static_cast<double>(bias_version_));
+    cv_.notify_all();  // watchers push it
   }
   if (!placement_ || options_.rebalance_after <= 0) return;
   if (NodeImbalance(*placement_, ema_) > options_.rebalance_threshold) {

@@ -39,6 +39,10 @@ struct RouterOptions {
   int rebalance_after = 3;                          // ... for this many intervals in a row (0: never)
   EplbOptions eplb;
   std::vector<int64_t> expert_metrics_layers;  // layers with per-expert k3serve_expert_tokens_total series
+  // adaptive: every load interval the QB estimate moves each layer's bias (pushed with the
+  // placement) by at most qb_max_step per expert; frozen: the checkpoint's bias only.
+  bool adaptive = false;
+  double qb_max_step = 0.02;
 };
 
 class RouterService final : public v1::Router::Service {
@@ -80,6 +84,8 @@ class RouterService final : public v1::Router::Service {
   void ReleaseSlots(const std::vector<std::string>& nodes, uint64_t keep_version);
   void DropNode(const std::string& node_id, const std::string& why);
   void FoldLoadLocked();
+  // The placement with the routing mode and bias; mu_ held.
+  void PlacementProtoLocked(v1::Placement* out) const;
 
   const ModelConfig config_;
   const RouterOptions options_;
@@ -98,6 +104,8 @@ class RouterService final : public v1::Router::Service {
   std::vector<std::vector<double>> ema_;        // the placement's input
   std::vector<QbHistogram> qb_;                 // per layer, summed over nodes since the last fold
   std::vector<std::vector<float>> qb_step_;     // per layer: the last QB estimate of the bias step
+  std::vector<std::vector<float>> bias_;        // adaptive: per layer, added to the checkpoint's (empty: none yet)
+  uint64_t bias_version_ = 0;
   int over_threshold_ = 0;                      // intervals in a row above the rebalance threshold
   std::thread placer_;
 
@@ -112,6 +120,8 @@ class RouterService final : public v1::Router::Service {
   metrics::Counter* m_moved_;
   metrics::Gauge* m_in_progress_;
   metrics::Family<metrics::Counter>* m_expert_tokens_ = nullptr;  // only with expert_metrics_layers
+  metrics::Gauge* m_bias_version_;
+  metrics::Family<metrics::Gauge>* m_bias_max_abs_;
 };
 
 }  // namespace k3::router
