@@ -219,6 +219,9 @@ grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* ctx, const v1::
   resp->set_num_experts(c.num_experts);
   resp->set_experts_per_token(c.top_k);
   for (int64_t e : c.eos_token_ids) resp->add_eos_token_ids(static_cast<int32_t>(e));
+  const auto [mode, bias_version] = options_.routing();
+  resp->set_routing_mode(mode);
+  resp->set_routing_bias_version(bias_version);
   return grpc::Status::OK;
 }
 

@@ -22,6 +22,8 @@ struct InferenceOptions {
   int32_t max_tokens_limit = 4096;
   // Whether the experts can serve now (a complete placement, connected); else UNAVAILABLE.
   std::function<bool()> ready = [] { return true; };
+  // The routing mode in use ("frozen" or "adaptive") and its bias version, for GetModelInfo.
+  std::function<std::pair<std::string, uint64_t>()> routing = [] { return std::pair<std::string, uint64_t>{"frozen", 0}; };
 };
 
 class InferenceService final : public v1::Inference::Service {

@@ -55,6 +55,8 @@ ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\"
 ABSL_FLAG(double, drain_timeout, 30.0, "on SIGTERM or POST /admin/drain: seconds the requests in flight get to finish");
 ABSL_FLAG(double, drain_grace, 0.5, "on a drain: seconds between NOT_SERVING and refusing new requests (gateways see the change)");
 ABSL_FLAG(int, load_report_ms, 250, "how often this node's load goes to the router (gateways and the orchestrator read it)");
+ABSL_FLAG(double, load_interval, 1.0, "seconds between load reports (per-expert tokens, QB histograms) to the router");
+ABSL_FLAG(int64_t, qb_bins, 1000, "bins per expert of the quantile-balancing histograms in the load reports (0: none)");
 
 namespace {
 
@@ -78,12 +80,19 @@ int Fail(const std::string& what, const absl::Status& s) {
   return 2;
 }
 
-// Control-plane calls that must not run on the data plane's thread: failure reports, and a load
-// report every interval.
+// Control-plane calls that must not run on the data plane's thread: failure reports, placement
+// acknowledgements (once no dispatch is in flight on an older version), and a load report every
+// interval.
 class Reporter {
  public:
-  Reporter(k3::router::RouterClient& client, k3::router::LoadCountingExecutor& load, std::string node_id)
-      : client_(client), load_(load), node_id_(std::move(node_id)), thread_([this] { Run(); }) {}
+  Reporter(k3::router::RouterClient& client, k3::router::LoadCountingExecutor& load, k3::router::Dispatcher& dispatcher,
+           std::string node_id, absl::Duration interval)
+      : client_(client),
+        load_(load),
+        dispatcher_(dispatcher),
+        node_id_(std::move(node_id)),
+        interval_(interval),
+        thread_([this] { Run(); }) {}
   ~Reporter() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -99,28 +108,51 @@ class Reporter {
     }
     cv_.notify_all();
   }
+  // The dispatcher switched to `version`.
+  void Placed(uint64_t version) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      placed_ = std::max(placed_, version);
+    }
+    cv_.notify_all();
+  }
 
  private:
   void Run() {
     std::unique_lock<std::mutex> lock(mu_);
+    absl::Time next_report = absl::Now() + interval_;
     while (!stop_) {
-      cv_.wait_for(lock, std::chrono::seconds(2), [&] { return stop_ || !failures_.empty(); });
+      cv_.wait_for(lock, absl::ToChronoNanoseconds(std::max(next_report - absl::Now(), absl::ZeroDuration())),
+                   [&] { return stop_ || !failures_.empty() || placed_ > acked_; });
       auto failures = std::move(failures_);
       failures_.clear();
+      const uint64_t placed = placed_;
       lock.unlock();
       for (auto& [node, why] : failures) client_.ReportNodeFailure(node, why);
-      auto report = load_.TakeReport(node_id_);
-      if (report.layers_size() > 0) client_.ReportLoad(report);
+      if (placed > acked_) {
+        // Dispatches end within their timeout, so this wait is bounded too.
+        if (dispatcher_.WaitDrained(placed, absl::Seconds(60))) client_.AckPlacement(placed);
+        acked_ = placed;
+      }
+      if (absl::Now() >= next_report) {
+        auto report = load_.TakeReport(node_id_);
+        if (report.layers_size() > 0) client_.ReportLoad(report);
+        next_report = absl::Now() + interval_;
+      }
       lock.lock();
     }
   }
   k3::router::RouterClient& client_;
   k3::router::LoadCountingExecutor& load_;
+  k3::router::Dispatcher& dispatcher_;
   const std::string node_id_;
+  const absl::Duration interval_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
   std::deque<std::pair<std::string, std::string>> failures_;
+  uint64_t placed_ = 0;
+  uint64_t acked_ = 0;  // reporter thread only
   std::thread thread_;
 };
 
@@ -230,6 +262,11 @@ int main(int argc, char** argv) {
     k3::router::Dispatcher* d = experts_ready.load();
     return d != nullptr && d->ready();
   };
+  std::atomic<k3::router::LoadCountingExecutor*> routing{nullptr};  // set once the executor exists
+  iopt.routing = [&routing] {
+    k3::router::LoadCountingExecutor* c = routing.load();
+    return c ? c->routing() : std::pair<std::string, uint64_t>{"frozen", 0};
+  };
   k3::InferenceService service(iopt, registry);
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service}, *creds);
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
@@ -295,7 +332,7 @@ int main(int argc, char** argv) {
       registry.AddCounter("k3serve_dispatch_bytes_total", "Data-plane bytes per expert node.", {"node", "direction"}));
   auto* node_failures = k3::metrics::Must(
       registry.AddCounter("k3serve_expert_node_unreachable_total", "Expert nodes this attention node lost.", {"node"}));
-  Reporter* reporter = nullptr;
+  std::atomic<Reporter*> reporter{nullptr};
   auto* dispatch_stages = k3::metrics::Must(registry.AddHistogram(
       "k3serve_dispatch_stage_seconds",
       "One MoE dispatch part by stage: pack, out, window, compute, back, unpack (out and back on one host only).",
@@ -319,13 +356,17 @@ int main(int argc, char** argv) {
   dopt.on_node_failure = [&](const std::string& node, const absl::Status& why) {
     std::fprintf(stderr, "k3serve-attention: expert node %s failed: %s\n", node.c_str(), std::string(why.message()).c_str());
     node_failures->WithLabels({node}).Inc();
-    if (reporter) reporter->NodeFailed(node, std::string(why.message()));
+    if (Reporter* r = reporter.load()) r->NodeFailed(node, std::string(why.message()));
   };
   k3::router::Dispatcher dispatcher(config, *transport, dopt);
-  k3::router::LoadCountingExecutor counted(dispatcher, config);
+  if (absl::GetFlag(FLAGS_qb_bins) < 0) return Fail("--qb-bins", absl::InvalidArgumentError("--qb-bins must be >= 0"));
+  k3::router::LoadCountingExecutor counted(dispatcher, config, absl::GetFlag(FLAGS_qb_bins));
+  routing = &counted;
   WaitTimingExecutor timed(counted);
 
   auto* placement_version = &k3::metrics::Must(registry.AddGauge("k3serve_placement_version", "Expert placement in use."))->WithLabels();
+  if (!(absl::GetFlag(FLAGS_load_interval) > 0))
+    return Fail("--load-interval", absl::InvalidArgumentError("--load-interval must be > 0 seconds"));
   k3::v1::RegisterNodeRequest self;
   self.set_role(k3::v1::NODE_ROLE_ATTENTION);
   self.set_node_id(node_id);
@@ -337,10 +378,16 @@ int main(int argc, char** argv) {
     }
     const absl::Status s = dispatcher.SetPlacement(std::make_shared<const k3::router::PlacementTable>(std::move(*table)));
     if (!s.ok()) std::fprintf(stderr, "k3serve-attention: placement v%lu: %s\n", static_cast<unsigned long>(p.version()), std::string(s.message()).c_str());
+    if (absl::IsFailedPrecondition(s)) return;  // older than the one in use: ignored whole, its routing too
+    if (auto r = counted.SetRouting(p); !r.ok())
+      std::fprintf(stderr, "k3serve-attention: routing of placement v%lu: %s\n", static_cast<unsigned long>(p.version()),
+                   std::string(r.message()).c_str());
     placement_version->Set(static_cast<double>(dispatcher.placement_version()));
+    if (Reporter* r = reporter.load()) r->Placed(p.version());
   });
-  Reporter rep(router, counted, node_id);
+  Reporter rep(router, counted, dispatcher, node_id, absl::Seconds(absl::GetFlag(FLAGS_load_interval)));
   reporter = &rep;
+  rep.Placed(dispatcher.placement_version());  // a placement that came before the reporter
 
   auto* running = &k3::metrics::Must(registry.AddGauge("k3serve_running_requests", "Sequences holding state in the engine."))->WithLabels();
   auto* waiting = &k3::metrics::Must(registry.AddGauge("k3serve_waiting_requests", "Sequences queued for the engine."))->WithLabels();

@@ -22,6 +22,10 @@ struct ExpertRequest {
   const float* x = nullptr;      // [rows, width]
   const int32_t* idx = nullptr;  // [rows, top_k]
   const float* w = nullptr;      // [rows, top_k]
+  // The gate's logits [rows, E] and correction bias [E] (null: none) for load statistics; valid
+  // during Submit only. Null where the caller does not provide them.
+  const float* logits = nullptr;
+  const float* bias = nullptr;
 };
 
 class ExpertExecutor {

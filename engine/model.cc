@@ -261,7 +261,7 @@ void ForwardPass::MoeFront(int64_t l) {
     rows = z_.data();
   }
   moe_out_.assign(N * c_.expert_width(), 0.0f);
-  request_ = ExpertRequest{l, N, c_.expert_width(), k, rows, idx_.data(), wt_.data()};
+  request_ = ExpertRequest{l, N, c_.expert_width(), k, rows, idx_.data(), wt_.data(), router_logits_.data(), w.bias};
 }
 
 void ForwardPass::MoeBack(int64_t l) {

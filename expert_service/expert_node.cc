@@ -25,7 +25,6 @@ int64_t MonotonicNs() {
 ExpertNode::ExpertNode(ModelConfig config, std::shared_ptr<const Checkpoint> checkpoint, ExpertNodeOptions options,
                        metrics::Registry& reg)
     : config_(std::move(config)), checkpoint_(std::move(checkpoint)), options_(std::move(options)) {
-  slots_ = std::make_shared<Slots>();
   m_batch_rows_ = &metrics::Must(reg.AddHistogram("k3serve_expert_batch_rows", "Rows per expert batch (all layers).",
                                                   metrics::ExponentialBuckets(1, 2, 14)))->WithLabels();
   m_batch_requests_ = &metrics::Must(reg.AddHistogram("k3serve_expert_batch_requests",
@@ -63,10 +62,10 @@ absl::Status ExpertNode::Listen(dataplane::Transport& transport, const std::stri
     if (options_.inline_batches && !busy_ && !stopping_ && WindowCanClose(layer, now)) {
       std::vector<Item> items(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
       queue_.clear();
-      std::shared_ptr<const Slots> slots = slots_;
+      Held held = held_;
       busy_ = true;
       lock.unlock();
-      RunBatch(items, *slots);
+      RunBatch(items, held);
       lock.lock();
       busy_ = false;
       if (queue_.empty() && !stopping_) return;
@@ -128,6 +127,17 @@ grpc::Status ExpertNode::LoadSlots(grpc::ServerContext* ctx, const v1::LoadSlots
       return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("slots.expert = ", s.expert(), " is out of range")};
     next->slots.insert({s.layer(), s.expert()});
   }
+  if (options_.slot_capacity > 0 && static_cast<int64_t>(next->slots.size()) > options_.slot_capacity)
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED, absl::StrCat("slots: ", next->slots.size(), " exceed this node's --slots = ",
+                                                               options_.slot_capacity)};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = held_.find(req->version());
+    if (it != held_.end() && it->second->slots == next->slots) {  // a retry of the same change
+      resp->set_loaded(static_cast<int32_t>(next->slots.size()));
+      return grpc::Status::OK;
+    }
+  }
   const bool gpu = options_.device == "cuda";
   // Memory-maps just these experts (fp32: views into the file; bf16: converted copies); on the GPU
   // the names and shapes are still checked here, and the weights go to the device as bf16.
@@ -143,14 +153,44 @@ grpc::Status ExpertNode::LoadSlots(grpc::ServerContext* ctx, const v1::LoadSlots
     next->gpu = std::move(*g);
   }
 #endif
+  int64_t held = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    slots_ = next;
+    held_[next->version] = next;
+    held = HeldSlotsLocked();
   }
-  m_slots_->Set(static_cast<double>(next->slots.size()));
+  m_slots_->Set(static_cast<double>(held));
   m_version_->Set(static_cast<double>(next->version));
   resp->set_loaded(static_cast<int32_t>(next->slots.size()));
   return grpc::Status::OK;
+}
+
+grpc::Status ExpertNode::ReleaseSlots(grpc::ServerContext* ctx, const v1::ReleaseSlotsRequest* req, v1::ReleaseSlotsResponse* resp) {
+  if (auto s = auth::RequireAdmin(*ctx, "ReleaseSlots"); !s.ok()) return s;
+  int64_t held = 0;
+  Held released;  // freed outside the lock (unmapping); a batch running on one keeps it alive
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = held_.begin(); it != held_.end();) {
+      if (it->first == req->keep_version()) {
+        ++it;
+      } else {
+        released.insert(*it);
+        it = held_.erase(it);
+      }
+    }
+    held = HeldSlotsLocked();
+  }
+  m_slots_->Set(static_cast<double>(held));
+  resp->set_slots(static_cast<int32_t>(held));
+  return grpc::Status::OK;
+}
+
+int64_t ExpertNode::HeldSlotsLocked() const {
+  if (held_.size() == 1) return static_cast<int64_t>(held_.begin()->second->slots.size());
+  std::set<std::pair<int32_t, int32_t>> all;
+  for (const auto& [v, s] : held_) all.insert(s->slots.begin(), s->slots.end());
+  return static_cast<int64_t>(all.size());
 }
 
 grpc::Status ExpertNode::Drain(grpc::ServerContext* ctx, const v1::DrainRequest*, v1::DrainResponse*) {
@@ -161,14 +201,14 @@ grpc::Status ExpertNode::Drain(grpc::ServerContext* ctx, const v1::DrainRequest*
 
 grpc::Status ExpertNode::Status(grpc::ServerContext* ctx, const v1::StatusRequest*, v1::ExpertStatus* resp) {
   if (auto s = auth::RequireNode(*ctx, "Status"); !s.ok()) return s;
-  std::shared_ptr<const Slots> s;
+  resp->set_node_id(options_.node_id);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    s = slots_;
+    resp->set_placement_version(held_.empty() ? 0 : held_.rbegin()->first);
+    resp->set_slots(static_cast<int32_t>(HeldSlotsLocked()));
+    for (const auto& [v, s] : held_) resp->add_held_versions(v);
   }
-  resp->set_node_id(options_.node_id);
-  resp->set_placement_version(s->version);
-  resp->set_slots(static_cast<int32_t>(s->slots.size()));
+  resp->set_slot_capacity(options_.slot_capacity);
   resp->set_rows_processed(rows_processed_);
   resp->set_batches_processed(batches_processed_);
   resp->set_draining(draining_);
@@ -191,9 +231,9 @@ void ExpertNode::Worker() {
     }
     std::vector<Item> items(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
     queue_.clear();
-    std::shared_ptr<const Slots> slots = slots_;
+    Held held = held_;
     lock.unlock();
-    RunBatch(items, *slots);
+    RunBatch(items, held);
     lock.lock();
     busy_ = false;
   }
@@ -212,7 +252,7 @@ void ExpertNode::ReplyError(dataplane::ConnectionId to, uint64_t request_id, con
   if (buf.ok() && server_) server_->Send(to, std::move(*buf), [](absl::Status) {});
 }
 
-void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
+void ExpertNode::RunBatch(std::vector<Item>& items, const Held& held) {
   const absl::Time t0 = absl::Now();
   const int64_t start_ns = MonotonicNs();
   struct Req {
@@ -221,7 +261,23 @@ void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
     int64_t first_row = 0;
   };
   const int64_t k = config_.top_k, X = config_.expert_width();
-  std::map<uint32_t, std::vector<Req>> by_layer;  // grouped so each layer runs one grouped GEMM per expert
+  // Grouped by the slots that serve them and by layer, so each layer runs one grouped GEMM per expert.
+  std::map<std::pair<const Slots*, uint32_t>, std::vector<Req>> by_layer;
+  // The slots of the request's placement version; while a change is under way, a row may come
+  // on a version this node has no slots for (it joined later) and is served by any held version
+  // that hosts all its experts.
+  auto serving = [&](const wire::ExpertRequest& m) -> const Slots* {
+    auto hosts_all = [&](const Slots& s) {
+      for (const auto& p : m.pairs)
+        if (!s.slots.count({static_cast<int32_t>(m.layer), static_cast<int32_t>(p.expert)})) return false;
+      return true;
+    };
+    auto it = held.find(m.placement_version);
+    if (it != held.end() && hosts_all(*it->second)) return it->second.get();
+    for (auto r = held.rbegin(); r != held.rend(); ++r)
+      if (hosts_all(*r->second)) return r->second.get();
+    return nullptr;
+  };
   for (size_t i = 0; i < items.size(); ++i) {
     auto& m = items[i].request;
     if (!m.ok()) {
@@ -238,20 +294,32 @@ void ExpertNode::RunBatch(std::vector<Item>& items, const Slots& slots) {
       if (m->row_offsets[r + 1] - m->row_offsets[r] > k)
         bad = absl::InvalidArgumentError(absl::StrCat("row ", r, " has more than top_k = ", k, " experts"));
     }
-    for (const auto& p : m->pairs)
-      if (bad.ok() && !slots.slots.count({static_cast<int32_t>(m->layer), static_cast<int32_t>(p.expert)}))
-        bad = absl::FailedPreconditionError(absl::StrCat("expert ", p.expert, " of layer ", m->layer,
-                                                         " is not hosted here (slots of placement v", slots.version, ")"));
+    const Slots* slots = bad.ok() ? serving(*m) : nullptr;
+    if (bad.ok() && slots == nullptr) {
+      std::string versions;
+      for (const auto& [v, s] : held) absl::StrAppend(&versions, versions.empty() ? "v" : ", v", v);
+      auto it = held.find(m->placement_version);
+      uint32_t missing = m->pairs.empty() ? 0 : m->pairs[0].expert;
+      for (const auto& p : m->pairs)
+        if (it != held.end() && !it->second->slots.count({static_cast<int32_t>(m->layer), static_cast<int32_t>(p.expert)})) {
+          missing = p.expert;
+          break;
+        }
+      bad = absl::FailedPreconditionError(absl::StrCat("expert ", missing, " of layer ", m->layer, " is not hosted here (placement v",
+                                                       m->placement_version, "; slots held: ", versions.empty() ? "none" : versions, ")"));
+    }
     if (!bad.ok()) {
       ReplyError(items[i].from, m->request_id, bad);
       continue;
     }
-    by_layer[m->layer].push_back({i, std::move(*m)});
+    by_layer[{slots, m->layer}].push_back({i, std::move(*m)});
   }
 
   int64_t total_rows = 0;
-  LocalExpertExecutor executor(config_, *slots.weights);
-  for (auto& [layer, reqs] : by_layer) {
+  for (auto& [key, reqs] : by_layer) {
+    const Slots& slots = *key.first;
+    const uint32_t layer = key.second;
+    LocalExpertExecutor executor(config_, *slots.weights);
     int64_t rows = 0;
     for (auto& r : reqs) {
       r.first_row = rows;

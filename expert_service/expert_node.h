@@ -42,6 +42,7 @@ struct ExpertNodeOptions {
   std::string node_token;
   // A batch whose window can close at once runs on the transport's thread, not the worker's.
   bool inline_batches = true;
+  int32_t slot_capacity = 0;  // most (layer, expert) slots one placement may give this node (0: no limit)
 };
 
 class ExpertNode final : public v1::ExpertAdmin::Service {
@@ -54,7 +55,11 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   absl::Status Listen(dataplane::Transport& transport, const std::string& address);
   const std::string& data_address() const;
 
+  // Loads a placement version's slots beside those of the versions still held: rows in flight on
+  // an older version keep being answered until the router releases it.
   grpc::Status LoadSlots(grpc::ServerContext* ctx, const v1::LoadSlotsRequest* req, v1::LoadSlotsResponse* resp) override;
+  grpc::Status ReleaseSlots(grpc::ServerContext* ctx, const v1::ReleaseSlotsRequest* req,
+                            v1::ReleaseSlotsResponse* resp) override;
   grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req, v1::DrainResponse* resp) override;
   grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::ExpertStatus* resp) override;
 
@@ -79,10 +84,13 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
     std::shared_ptr<const ModelWeights> weights;  // only the slots' experts loaded (CPU)
     std::shared_ptr<GpuExperts> gpu;              // the same slots on the GPU (--device cuda)
   };
+  using Held = std::map<uint64_t, std::shared_ptr<const Slots>>;  // by placement version
   void Worker();
   // True when no attention node that is sending still has to send rows for `layer` (under mu_).
   bool WindowCanClose(uint32_t layer, int64_t now_ns) const;
-  void RunBatch(std::vector<Item>& items, const Slots& slots);
+  void RunBatch(std::vector<Item>& items, const Held& held);
+  // Distinct slots over the held versions; mu_ held.
+  int64_t HeldSlotsLocked() const;
   void ReplyError(dataplane::ConnectionId to, uint64_t request_id, const absl::Status& s);
   // The handshake, on the transport's thread: false if the message must not be queued.
   bool Admit(dataplane::ConnectionId from, const dataplane::Buffer& msg);
@@ -99,7 +107,7 @@ class ExpertNode final : public v1::ExpertAdmin::Service {
   std::map<dataplane::ConnectionId, Sender> senders_;
   bool stopping_ = false;
   bool busy_ = false;  // a batch is running (worker or transport thread): one at a time
-  std::shared_ptr<const Slots> slots_;
+  Held held_;
   std::thread worker_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> rows_processed_{0}, batches_processed_{0};

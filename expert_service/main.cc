@@ -29,6 +29,9 @@ ABSL_FLAG(int, metrics_port, 0, "Prometheus /metrics port (0: pick one, -1: off)
 ABSL_FLAG(std::string, node_id, "", "unique node id (default: expert-<host>-<pid>)");
 ABSL_FLAG(int, batch_window_us, 200, "how long to wait for more rows before running a batch");
 ABSL_FLAG(double, drain_seconds, 2.0, "on SIGTERM, keep answering this long after leaving the placement");
+ABSL_FLAG(double, leave_timeout_seconds, 30.0,
+          "on SIGTERM, wait this long for the router to move this node's experts elsewhere before leaving");
+ABSL_FLAG(int32_t, slots, 0, "most (layer, expert) slots this node holds for one placement (0: no limit)");
 ABSL_FLAG(std::string, device, "cpu", "where the experts run: cpu, or cuda (CUDA builds)");
 ABSL_FLAG(std::string, data_plane, "ucx",
           "ucx (any host; UCX_TLS / UCX_NET_DEVICES apply), or shm (shared memory: attention nodes on this host only)");
@@ -71,6 +74,8 @@ int main(int argc, char** argv) {
   opt.batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
   opt.device = absl::GetFlag(FLAGS_device);
   opt.node_token = k3::auth::NodeToken();
+  opt.slot_capacity = absl::GetFlag(FLAGS_slots);
+  if (opt.slot_capacity < 0) return Fail("--slots", absl::InvalidArgumentError("--slots must be >= 0"));
 #ifdef K3SERVE_HAVE_CUDA
   if (opt.device != "cpu" && opt.device != "cuda")
     return Fail("--device", absl::InvalidArgumentError("--device must be \"cpu\" or \"cuda\", got \"" + opt.device + "\""));
@@ -103,15 +108,20 @@ int main(int argc, char** argv) {
   self.set_node_id(node_id);
   self.set_grpc_address(absl::StrCat(host, ":", grpc->port));
   self.set_ucx_address(absl::StrCat(data_plane == "shm" ? k3::dataplane::kShmScheme : "", host, ":", data_port));
+  self.set_slot_capacity(opt.slot_capacity);
   auto router = std::make_unique<k3::router::RouterClient>(absl::GetFlag(FLAGS_router), self, [](const k3::v1::Placement&) {});
   std::fprintf(stderr, "k3serve-expert %s: data plane %s, gRPC %d, metrics %d\n", node_id.c_str(),
                self.ucx_address().c_str(), grpc->port, http ? http->port() : -1);
   k3::WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat(grpc->port, " ", http ? http->port() : -1, " ", data_port));
   while (!k3::WaitForShutdown(absl::Seconds(1))) {
   }
-  // Leave the placement first (the router re-places our experts), keep answering rows that were
-  // already on their way, then stop.
+  // Leave the placement first: the router moves our experts to the other nodes, publishes, and
+  // answers once no attention node has rows in flight on a placement with us. Then keep answering
+  // stragglers a little longer, and stop.
   std::fprintf(stderr, "k3serve-expert %s: leaving the placement\n", node_id.c_str());
+  if (auto s = router->Leave(absl::Seconds(absl::GetFlag(FLAGS_leave_timeout_seconds))); !s.ok())
+    std::fprintf(stderr, "k3serve-expert %s: leaving without the router's answer: %s\n", node_id.c_str(),
+                 std::string(s.message()).c_str());
   router.reset();
   absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   node.Stop();

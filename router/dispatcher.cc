@@ -31,53 +31,67 @@ Dispatcher::~Dispatcher() {
   for (auto& [id, p] : peers) p->conn.reset();
 }
 
+absl::Status Dispatcher::CheckNewer(const PlacementTable& placement) const {
+  // Versions only go up (a router restart continues above its predecessor): an older one is
+  // stale or forged.
+  if (placement_ && placement.version < placement_->version)
+    return absl::FailedPreconditionError(absl::StrCat("placement v", placement.version, " is older than v",
+                                                      placement_->version, " in use: ignored"));
+  return absl::OkStatus();
+}
+
 absl::Status Dispatcher::SetPlacement(std::shared_ptr<const PlacementTable> placement) {
-  std::vector<std::shared_ptr<Peer>> dropped;
-  std::vector<std::shared_ptr<Peer>> added;
+  // Connect to the nodes this placement adds before any dispatch may route to them.
+  std::map<std::string, std::shared_ptr<Peer>> added;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Versions only go up (a router restart continues above its predecessor): an older one is
-    // stale or forged.
-    if (placement_ && placement->version < placement_->version)
-      return absl::FailedPreconditionError(absl::StrCat("placement v", placement->version, " is older than v",
-                                                        placement_->version, " in use: ignored"));
-    std::map<std::string, std::shared_ptr<Peer>> next;
+    if (auto s = CheckNewer(*placement); !s.ok()) return s;
     for (const NodeInfo& n : placement->nodes) {
       auto it = peers_.find(n.node_id);
-      if (it != peers_.end() && it->second->address == n.ucx_address && !it->second->failed) {
-        next[n.node_id] = it->second;
-      } else {
-        auto p = std::make_shared<Peer>();
-        p->node_id = n.node_id;
-        p->address = n.ucx_address;
-        next[n.node_id] = p;
-        added.push_back(p);
-      }
+      if (it != peers_.end() && it->second->address == n.ucx_address && !it->second->failed) continue;
+      auto p = std::make_shared<Peer>();
+      p->node_id = n.node_id;
+      p->address = n.ucx_address;
+      added[n.node_id] = p;
+    }
+  }
+  absl::Status status;
+  for (auto& [id, p] : added) {
+    dataplane::ClientCallbacks cb;
+    cb.on_message = [this, id = id](dataplane::Buffer msg) { OnMessage(id, std::move(msg)); };
+    cb.on_failure = [this, id = id](absl::Status why) { OnFailure(id, why); };
+    auto conn = transport_.Connect(p->address, std::move(cb));
+    if (!conn.ok()) {
+      p->failed = true;
+      status.Update(absl::UnavailableError(absl::StrCat("expert node ", id, " at ", p->address, ": ", conn.status().message())));
+      continue;
+    }
+    // The handshake goes first; the transport keeps a connection's messages in order.
+    auto hello = wire::Encode<dataplane::Buffer>(wire::Hello{options_.node_token});
+    if (!hello.ok()) {
+      p->failed = true;
+      status.Update(hello.status());
+      continue;
+    }
+    (*conn)->Send(std::move(*hello), [](absl::Status) {});
+    std::lock_guard<std::mutex> lock(mu_);
+    p->conn = std::move(*conn);
+  }
+  std::vector<std::shared_ptr<Peer>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto s = CheckNewer(*placement); !s.ok()) return s;  // another placement came meanwhile
+    std::map<std::string, std::shared_ptr<Peer>> next;
+    for (const NodeInfo& n : placement->nodes) {
+      auto a = added.find(n.node_id);
+      next[n.node_id] = a != added.end() ? a->second : peers_.at(n.node_id);
     }
     for (auto& [id, p] : peers_)
       if (!next.count(id) || next[id] != p) dropped.push_back(p);
     peers_ = std::move(next);
     placement_ = std::move(placement);
   }
-  for (auto& p : added) {
-    const std::string id = p->node_id;
-    dataplane::ClientCallbacks cb;
-    cb.on_message = [this, id](dataplane::Buffer msg) { OnMessage(id, std::move(msg)); };
-    cb.on_failure = [this, id](absl::Status why) { OnFailure(id, why); };
-    auto conn = transport_.Connect(p->address, std::move(cb));
-    if (conn.ok()) {
-      // The handshake goes first; the transport keeps a connection's messages in order.
-      auto hello = wire::Encode<dataplane::Buffer>(wire::Hello{options_.node_token});
-      if (!hello.ok()) conn = hello.status();
-      else (*conn)->Send(std::move(*hello), [](absl::Status) {});
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!conn.ok()) {
-      p->failed = true;
-      return absl::UnavailableError(absl::StrCat("expert node ", id, " at ", p->address, ": ", conn.status().message()));
-    }
-    p->conn = std::move(*conn);
-  }
+  added.clear();
   // Dropped peers close when their last in-flight part lets go of them (here, if none).
   for (auto& p : dropped) {
     std::unique_ptr<dataplane::Connection> conn;
@@ -86,7 +100,20 @@ absl::Status Dispatcher::SetPlacement(std::shared_ptr<const PlacementTable> plac
       if (p.use_count() == 1) conn = std::move(p->conn);
     }
   }
-  return absl::OkStatus();
+  cv_.notify_all();
+  return status;
+}
+
+bool Dispatcher::WaitDrained(uint64_t version, absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const absl::Time end = absl::Now() + timeout;
+  auto other = [&] { return !in_flight_.empty() && (in_flight_.size() > 1 || in_flight_.begin()->first != version); };
+  while (other()) {
+    const absl::Duration left = end - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, absl::Milliseconds(50))));
+  }
+  return true;
 }
 
 bool Dispatcher::ready() const {
@@ -195,6 +222,8 @@ absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int a
   pending.attempt = attempt;
   const int64_t sent_ns = MonotonicNs();
   pending.pack_ns = sent_ns - pack_start;
+  pending.version = version;
+  in_flight_[version]++;
   std::vector<std::tuple<std::shared_ptr<Peer>, uint64_t, dataplane::Buffer>> sends;
   for (size_t node = 0; node < out.size(); ++node) {
     if (out[node].rows.empty()) continue;
@@ -275,6 +304,7 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
     release.push_back(std::move(part.peer));
   }
   for (const Part& part : p.parts) parts_.erase(part.wire_id);
+  if (--in_flight_[p.version] == 0) in_flight_.erase(p.version);
   // A peer that left the placement closes with its last part.
   std::vector<std::unique_ptr<dataplane::Connection>> closing;
   for (auto& peer : release)
@@ -283,6 +313,7 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
   const int attempt = p.attempt;
   pending_.erase(it);
   lock.unlock();
+  cv_.notify_all();  // WaitDrained
   closing.clear();
   for (const auto& [node, st] : stages) options_.on_stages(node, st);
   if (options_.on_node_failure)

@@ -51,9 +51,12 @@ class Dispatcher : public ExpertExecutor {
   Dispatcher(const ModelConfig& config, dataplane::Transport& transport, DispatcherOptions options);
   ~Dispatcher() override;
 
-  // Installs a placement: connects to its nodes (keeping live connections), drops the others.
-  // Requests in flight finish on the placement they started with.
+  // Installs a placement: connects to its new nodes first, then switches at once (a dispatch
+  // uses one version from start to end), then drops the nodes it no longer names. Requests in
+  // flight finish on the placement they started with.
   absl::Status SetPlacement(std::shared_ptr<const PlacementTable> placement);
+  // Waits until no dispatch is in flight on a placement other than `version`; false on timeout.
+  bool WaitDrained(uint64_t version, absl::Duration timeout);
   // A complete placement whose every node is connected and has not failed.
   bool ready() const;
   uint64_t placement_version() const;
@@ -91,6 +94,7 @@ class Dispatcher : public ExpertExecutor {
     ExpertRequest request;  // the caller's, valid until Wait returns: a retry re-sends it
     int attempt = 0;
     int64_t pack_ns = 0;
+    uint64_t version = 0;  // the placement it was routed on
   };
   // The reply's timings and when it arrived, for DispatchStages.
   struct Arrival {
@@ -102,6 +106,7 @@ class Dispatcher : public ExpertExecutor {
   void OnFailure(const std::string& node_id, const absl::Status& why);
   absl::StatusOr<uint64_t> SubmitAttempt(const ExpertRequest& request, int attempt);
   absl::Duration Timeout() const;  // mu_ held
+  absl::Status CheckNewer(const PlacementTable& placement) const;  // mu_ held
   void FinishPart(uint64_t wire_id, const absl::Status& status, const Arrival& arrival, size_t bytes_in);
 
   const ModelConfig& config_;
@@ -114,6 +119,7 @@ class Dispatcher : public ExpertExecutor {
   std::map<std::string, std::shared_ptr<Peer>> peers_;  // by node id, for the current placement
   std::map<uint64_t, Pending> pending_;                 // by ticket
   std::map<uint64_t, std::pair<uint64_t, size_t>> parts_;  // wire request id -> (ticket, part)
+  std::map<uint64_t, int64_t> in_flight_;                 // placement version -> dispatches on it
   uint64_t next_ticket_ = 1;
   absl::Duration slowest_ = absl::ZeroDuration();  // recent slowest part round trip (decays)
   std::atomic<uint64_t> next_wire_id_{1};  // taken outside mu_, while messages are encoded

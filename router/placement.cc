@@ -23,6 +23,7 @@ void PlacementTable::ToProto(v1::Placement* out) const {
   out->Clear();
   out->set_version(version);
   out->set_complete(complete());
+  out->set_routing_mode(v1::ROUTING_MODE_FROZEN);  // the router sets adaptive and the biases
   for (const auto& n : nodes) {
     auto* pn = out->add_nodes();
     pn->set_node_id(n.node_id);

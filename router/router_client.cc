@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/tls.h"
 
@@ -90,6 +91,29 @@ void RouterClient::ReportLoad(const v1::LoadReport& report) {
   auth::AddNodeCredentials(&ctx);
   v1::ReportLoadResponse resp;
   stub_->ReportLoad(&ctx, report, &resp);
+}
+
+void RouterClient::AckPlacement(uint64_t version) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  auth::AddNodeCredentials(&ctx);
+  v1::AckPlacementRequest req;
+  req.set_node_id(self_.node_id());
+  req.set_version(version);
+  v1::AckPlacementResponse resp;
+  stub_->AckPlacement(&ctx, req, &resp);
+}
+
+absl::Status RouterClient::Leave(absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  auth::AddNodeCredentials(&ctx);
+  v1::LeaveNodeRequest req;
+  req.set_node_id(self_.node_id());
+  v1::LeaveNodeResponse resp;
+  const grpc::Status s = stub_->LeaveNode(&ctx, req, &resp);
+  if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  return absl::OkStatus();
 }
 
 }  // namespace k3::router

@@ -9,6 +9,8 @@
 #include <string>
 #include <thread>
 
+#include "absl/time/time.h"
+#include "common/status.h"
 #include "k3serve/v1/control.grpc.pb.h"
 
 namespace k3 {
@@ -29,6 +31,11 @@ class RouterClient {
   // Best effort; both block for at most ~2 s.
   void ReportNodeFailure(const std::string& node_id, const std::string& detail);
   void ReportLoad(const v1::LoadReport& report);
+  // This attention node runs placement `version` and has no rows in flight on an older one.
+  void AckPlacement(uint64_t version);
+  // An expert node's graceful exit: blocks until the router has a placement without this node in
+  // use everywhere, or `timeout`.
+  absl::Status Leave(absl::Duration timeout);
 
  private:
   void Loop();

@@ -14,6 +14,8 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/engine.h"
 #include "tools/client.h"
 #include "tools/http_get.h"
@@ -183,6 +185,46 @@ absl::StatusOr<Figures> Disaggregated(const BenchOptions& o, LocalCluster& clust
   return Summarize(arrivals, start);
 }
 
+// With a skewed model: one pass, the router's rebalance on measured load, a second pass, and the
+// per-layer and per-node load of both.
+absl::Status SkewReport(const BenchOptions& o, LocalCluster& cluster, int64_t vocab) {
+  auto expert_load = [&]() -> absl::StatusOr<nlohmann::json> {
+    K3_ASSIGN_OR_RETURN(std::string body, HttpGet("127.0.0.1", cluster.router_metrics_port(), "/admin/expert_load"));
+    return nlohmann::json::parse(body, nullptr, false);
+  };
+  K3_ASSIGN_OR_RETURN(Figures first, Disaggregated(o, cluster, vocab, /*via_gateway=*/false));
+  K3_ASSIGN_OR_RETURN(nlohmann::json before, expert_load());
+  // The router rebalances once the node load stays above its threshold for two intervals.
+  auto completed = [&] {
+    auto m = HttpGet("127.0.0.1", cluster.router_metrics_port(), "/metrics");
+    return m.ok() ? MetricValue(*m, "k3serve_rebalances_total", "completed") : 0.0;
+  };
+  const double c0 = completed();
+  const int64_t v0 = before.value("placement_version", 0);
+  for (int i = 0; i < 300 && completed() <= c0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  K3_ASSIGN_OR_RETURN(Figures second, Disaggregated(o, cluster, vocab, /*via_gateway=*/false));
+  K3_ASSIGN_OR_RETURN(nlohmann::json after, expert_load());
+  std::printf("\nexpert load, EMA at the end of each pass (placement v%ld before, v%ld after the router's rebalance)\n",
+              static_cast<long>(v0), static_cast<long>(after.value("placement_version", 0)));
+  std::printf("%-8s %18s %22s %22s\n", "layer", "expert max/mean", "node max/mean before", "node max/mean after");
+  for (size_t l = 0; l < before["layers"].size() && l < after["layers"].size(); ++l)
+    std::printf("%-8d %18.2f %22.3f %22.3f\n", before["layers"][l].value("layer", 0),
+                before["layers"][l].value("expert_max_over_mean", 0.0), before["layers"][l].value("node_load_max_over_mean", 0.0),
+                after["layers"][l].value("node_load_max_over_mean", 0.0));
+  std::printf("%-8s %18s %22.3f %22.3f\n", "all", "", before.value("node_load_max_over_mean", 0.0),
+              after.value("node_load_max_over_mean", 0.0));
+  auto nodes = [](const nlohmann::json& j) {
+    std::string out;
+    for (size_t n = 0; n < j["nodes"].size() && n < j["node_load_ema"].size(); ++n)
+      out += absl::StrCat(" ", j["nodes"][n].get<std::string>(), "=", static_cast<int64_t>(j["node_load_ema"][n].get<double>()));
+    return out;
+  };
+  std::printf("node tokens (EMA per interval) before:%s\n                                after:%s\n", nodes(before).c_str(),
+              nodes(after).c_str());
+  std::printf("decode tok/s: %.1f before, %.1f after the rebalance\n", first.decode_tok_s, second.decode_tok_s);
+  return absl::OkStatus();
+}
+
 struct Range {
   double lo = 0, hi = 0;
   int n = 0;
@@ -206,8 +248,15 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   co.attention_args = {absl::StrCat("--max-running=", o.streams)};
   co.expert_args = {"--data-plane=" + o.data_plane};
   co.gateway = true;
+  if (o.skew) {
+    co.router_args = {"--load-interval=0.5", "--rebalance-after=2", "--rebalance-threshold=1.05", "--redundancy=0.25"};
+    co.attention_args.push_back("--load-interval=0.25");
+  }
   K3_ASSIGN_OR_RETURN(auto cluster, LocalCluster::Start(co));
   K3_ASSIGN_OR_RETURN(auto config, LoadModelConfig(o.model));
+  if (o.skew) {
+    K3_RETURN_IF_ERROR(SkewReport(o, *cluster, config.vocab_size));
+  }
   const std::string remote_name = absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E");
 
   Range ratio, overhead, local_tok, remote_tok;

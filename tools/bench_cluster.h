@@ -18,6 +18,9 @@ struct BenchOptions {
   int experts = 2;
   std::string data_plane = "shm";  // the expert nodes' --data-plane
   int repeats = 1;                 // in-process and disaggregated runs, alternating, in one cluster
+  // Let the router rebalance (EPLB, redundant slots) on measured imbalance: after the first pass it
+  // waits for the rebalance, runs a second pass, and prints per-layer and per-node load of both.
+  bool skew = false;
 };
 
 absl::Status RunClusterBench(const BenchOptions& options);

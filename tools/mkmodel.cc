@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/bf16.h"
 #include "common/flags.h"
@@ -28,6 +30,9 @@ ABSL_FLAG(std::string, out, "", "output model directory");
 ABSL_FLAG(uint64_t, seed, 0, "random seed");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16 or fp32");
 ABSL_FLAG(uint64_t, shard_bytes, uint64_t{4} << 30, "largest file before the checkpoint is split into shards");
+ABSL_FLAG(std::string, router_skew, "",
+          "zipf:S: the router's correction bias makes expert popularity follow a Zipf law of exponent S "
+          "(a random order of the experts per layer), for load-balancing tests");
 
 namespace k3 {
 namespace {
@@ -143,7 +148,23 @@ std::vector<Shard> PlanShards(const std::vector<TensorSpec>& specs, size_t value
   return shards;
 }
 
-absl::Status WriteShard(const Shard& shard, const fs::path& path, const ModelConfig& c, DType dtype, uint64_t seed) {
+// --router-skew zipf:S: the bias of the expert of popularity rank r (1-based) is −S·τ·ln(r), so
+// the top-k of s + b favours low ranks like a Zipf law of exponent S. τ = 0.05 against scores s
+// that spread by ~0.2 (sigmoid of logits of std ~1): ranks 1 and 896 differ by 0.34·S, a strong
+// skew, while the scores still decide among nearby ranks. Ranks are a seeded permutation per layer.
+void SkewRouterBias(const TensorSpec& t, uint64_t seed, double S, float* values) {
+  const int64_t E = t.shape.back();
+  std::vector<int64_t> rank(E);
+  std::iota(rank.begin(), rank.end(), 0);
+  Rng rng(seed, t.name + "#skew");
+  for (int64_t i = E - 1; i > 0; --i)
+    std::swap(rank[i], rank[static_cast<int64_t>(rng.Uniform01() * static_cast<float>(i + 1)) % (i + 1)]);
+  for (int64_t e = 0; e < E; ++e)
+    values[e] = static_cast<float>(-S * 0.05 * std::log(static_cast<double>(rank[e] + 1)));
+}
+
+absl::Status WriteShard(const Shard& shard, const fs::path& path, const ModelConfig& c, DType dtype, uint64_t seed,
+                        double skew) {
   const size_t value_bytes = DTypeSize(dtype);
   json header = json::object();
   header["__metadata__"] = {{"format", "pt"}};
@@ -169,6 +190,7 @@ absl::Status WriteShard(const Shard& shard, const fs::path& path, const ModelCon
     for (int64_t done = 0, n = Numel(*t); done < n;) {
       const int64_t len = std::min(kChunk, n - done);
       for (int64_t i = 0; i < len; ++i) values[i] = init.Apply(rng.Uniform01());
+      if (skew > 0 && t->role == TensorRole::kRouterBias) SkewRouterBias(*t, seed, skew, values.data());
       if (dtype == DType::kBF16) {
         for (int64_t i = 0; i < len; ++i) half[i] = FloatToBf16(values[i]);
         out.write(reinterpret_cast<const char*>(half.data()), static_cast<std::streamsize>(len * 2));
@@ -191,6 +213,11 @@ absl::Status Run() {
     return absl::InvalidArgumentError(absl::StrCat("--dtype must be bf16 or fp32, got \"", dtype_name, "\""));
   const DType dtype = dtype_name == "bf16" ? DType::kBF16 : DType::kF32;
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  double skew = 0;
+  if (const std::string rs = absl::GetFlag(FLAGS_router_skew); !rs.empty()) {
+    if (rs.rfind("zipf:", 0) != 0 || !absl::SimpleAtod(rs.substr(5), &skew) || !(skew > 0) || skew > 10)
+      return absl::InvalidArgumentError(absl::StrCat("--router-skew must be zipf:S with 0 < S <= 10, got \"", rs, "\""));
+  }
 
   std::ifstream in(config_path);
   if (!in) return absl::NotFoundError(absl::StrCat(config_path, ": cannot open"));
@@ -218,7 +245,7 @@ absl::Status Run() {
   uint64_t bytes = 0;
   json weight_map = json::object();
   for (const Shard& s : shards) {
-    K3_RETURN_IF_ERROR(WriteShard(s, fs::path(out_dir) / s.file, c, dtype, seed));
+    K3_RETURN_IF_ERROR(WriteShard(s, fs::path(out_dir) / s.file, c, dtype, seed, skew));
     for (const TensorSpec* t : s.tensors) {
       params += Numel(*t);
       weight_map[t->name] = s.file;
