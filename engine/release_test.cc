@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
+#include "engine/capacity.h"
 #include "engine/model.h"
 #include "engine/tensor_names.h"
 #include "kernels/cpu/mxfp4.h"
@@ -181,6 +182,26 @@ TEST(Release, PublishedConfigParses) {
   EXPECT_TRUE(want.empty()) << want.begin()->first;
   // 92 MoE layers · 896 experts · 3 · 3072 · 3584 weights at 4.25 bits: the release's 1.45 TB of experts.
   EXPECT_EQ(packed_bytes, int64_t{92} * 896 * 3 * 3072 * 3584 / 32 * 17);
+}
+
+// The capacity plan of the release: 82,432 slots of 3·3072·3584 weights; MXFP4 holds a slot in
+// 4.25 bits a weight, 16/4.25 = 3.76 times less than bf16.
+TEST(Release, CapacityPlan) {
+  const std::string path = SourcePath("tests/data/kimi-k3-release/config.json");
+  auto c = ParseModelConfig(ReadText(path), path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const double gpu = 131.0 * 1073741824.0;
+  const CapacityPlan mx = PlanCapacity(*c, WeightType::kMxfp4, gpu), bf = PlanCapacity(*c, WeightType::kBf16, gpu);
+  EXPECT_EQ(mx.slots, 92 * 896);
+  EXPECT_EQ(mx.slot_bytes, 3.0 * 3072 * 3584 * 17 / 32);
+  EXPECT_EQ(bf.slot_bytes, 3.0 * 3072 * 3584 * 2);
+  EXPECT_NEAR(bf.slot_bytes / mx.slot_bytes, 3.76, 0.005);
+  EXPECT_EQ(mx.slots_per_gpu, static_cast<int64_t>(gpu / mx.slot_bytes));
+  EXPECT_EQ(mx.expert_gpus, (mx.slots + mx.slots_per_gpu - 1) / mx.slots_per_gpu);
+  EXPECT_EQ(mx.expert_gpus, 11);
+  EXPECT_EQ(bf.expert_gpus, 39);
+  EXPECT_EQ(mx.attention_bytes, bf.attention_bytes);
+  std::printf("kimi-k3 release:\n%s%s", FormatPlan(mx).c_str(), FormatPlan(bf).c_str());
 }
 
 TEST(Release, UnsupportedQuantizationIsNamed) {
