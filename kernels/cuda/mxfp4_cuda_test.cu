@@ -16,15 +16,16 @@ namespace {
 
 using k3::testing::RelDiff;
 
-// One expert matrix [rows, cols]: random codes, scales around 2^−4, its fp32 dequantization and its
-// fragment-order upload.
+// One expert matrix [rows, cols]: random codes, scales 2^(base−127) .. 2^(base−123), its fp32 dequantization
+// and its fragment-order upload.
 struct Matrix {
   std::vector<uint8_t> packed, scale;
   std::vector<float> f32;
   std::unique_ptr<DeviceBuffer<uint8_t>> codes, scales;
-  Matrix(int64_t rows, int64_t cols, std::mt19937& rng) : packed(rows * cols / 2), scale(rows * cols / 32), f32(rows * cols) {
+  Matrix(int64_t rows, int64_t cols, int base, std::mt19937& rng)
+      : packed(rows * cols / 2), scale(rows * cols / 32), f32(rows * cols) {
     for (auto& b : packed) b = static_cast<uint8_t>(rng());
-    for (auto& s : scale) s = static_cast<uint8_t>(120 + rng() % 5);
+    for (auto& s : scale) s = static_cast<uint8_t>(base + rng() % 5);
     cpu::DequantizeMxfp4({packed.data(), scale.data()}, cols, 0, rows, f32.data());
     std::vector<uint8_t> c(Mxfp4CodeBytes(rows, cols)), s(Mxfp4ScaleBytes(rows, cols));
     Mxfp4ToFragments(packed.data(), scale.data(), rows, cols, c.data(), s.data());
@@ -35,21 +36,22 @@ struct Matrix {
 
 struct Case {
   int64_t N, D, I, E, k;
+  int scale_base = 120;  // 126: scales on both sides of 2^1, the kernel's two dequantization paths
 };
 
 class Mxfp4ExpertsTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   REQUIRE_GPU();
-  const auto [N, D, I, E, k] = GetParam();
+  const auto [N, D, I, E, k, base] = GetParam();
   std::mt19937 rng(static_cast<uint32_t>(N * 131 + D + I + E));
   std::vector<std::unique_ptr<Matrix>> m1, m3, m2;
   std::vector<const uint8_t*> h1, hs1, h3, hs3, h2, hs2;
   std::vector<cpu::ExpertWeights> cpu_experts(E);
   for (int64_t e = 0; e < E; ++e) {
-    m1.push_back(std::make_unique<Matrix>(I, D, rng));
-    m3.push_back(std::make_unique<Matrix>(I, D, rng));
-    m2.push_back(std::make_unique<Matrix>(D, I, rng));
+    m1.push_back(std::make_unique<Matrix>(I, D, base, rng));
+    m3.push_back(std::make_unique<Matrix>(I, D, base, rng));
+    m2.push_back(std::make_unique<Matrix>(D, I, base - 6, rng));  // keeps the outputs O(1)
     h1.push_back(m1.back()->codes->get()), hs1.push_back(m1.back()->scales->get());
     h3.push_back(m3.back()->codes->get()), hs3.push_back(m3.back()->scales->get());
     h2.push_back(m2.back()->codes->get()), hs2.push_back(m2.back()->scales->get());
@@ -86,7 +88,8 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   cpu::MoeExperts(N, D, I, k, x.data(), idx.data(), w.data(), E, cpu_experts.data(), {cpu::GluAct::kSitu, 4.0f, 25.0f},
                   ref.data());
   // bf16 rounding of h and of each expert's output (2^−9 relative) is all that separates them.
-  EXPECT_LT(RelDiff(got, ref), 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E << " k=" << k;
+  EXPECT_LT(RelDiff(got, ref), 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E << " k=" << k
+                                     << " scales from " << base;
   // Reproducible run to run.
   CUDA_OK(Mxfp4Experts(a, ws, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
@@ -96,7 +99,7 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
 INSTANTIATE_TEST_SUITE_P(Shapes, Mxfp4ExpertsTest,
                          ::testing::Values(Case{1, 32, 32, 1, 1}, Case{0, 64, 64, 4, 2}, Case{5, 96, 160, 7, 2},
                                            Case{130, 64, 96, 3, 2}, Case{37, 256, 128, 16, 4}, Case{300, 128, 224, 5, 3},
-                                           Case{3, 3584, 3072, 2, 2}));
+                                           Case{3, 3584, 3072, 2, 2}, Case{21, 128, 96, 4, 2, 126}));
 
 }  // namespace
 }  // namespace k3::cuda
