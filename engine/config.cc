@@ -6,7 +6,11 @@
 #include <set>
 #include <sstream>
 
+#include <regex>
+
 #include <nlohmann/json.hpp>
+
+#include "engine/tensor_names.h"
 
 namespace k3 {
 namespace {
@@ -21,11 +25,22 @@ const std::set<std::string> kIgnoredKeys = {
     "use_cache", "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id",
     "pad_token_id", "head_dim", "qk_head_dim", "linear_conv_kernel_dim", "linear_head_dim",
     "linear_num_heads", "rope_theta", "rope_scaling", "use_grouped_topk", "num_nextn_predict_layers",
-    "quantization_config", "_name_or_path", "output_attentions", "output_hidden_states",
+    "_name_or_path", "output_attentions", "output_hidden_states",
     "return_dict", "layer_types", "mlp_layer_types", "router_aux_loss_coef", "aux_loss_alpha",
     "scoring_func", "topk_method", "norm_topk_prob", "n_routed_experts", "n_shared_experts", "n_group",
     "num_experts_per_tok", "num_local_experts", "moe_router_activation_func", "attention_bias",
     "mla_use_nope", "max_position_embeddings", "model_max_length", "eos_token_id",
+    // transformers' PretrainedConfig defaults (generation and training bookkeeping) that a released
+    // config.json serializes along with the model.
+    "add_cross_attention", "bad_words_ids", "begin_suppress_tokens", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample", "early_stopping",
+    "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
+    "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder", "label2id", "length_penalty",
+    "max_length", "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_return_sequences",
+    "output_scores", "prefix", "problem_type", "pruned_heads", "remove_invalid_values", "repetition_penalty",
+    "return_dict_in_generate", "sep_token_id", "suppress_tokens", "task_specific_params", "temperature",
+    "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class", "top_k", "top_p", "torchscript", "typical_p",
+    "use_bfloat16",
 };
 
 class Reader {
@@ -120,6 +135,96 @@ class Reader {
 
 absl::Status Invalid(const std::string& where, const std::string& msg) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": ", msg));
+}
+
+// quantization_config: only compressed-tensors' MXFP4 of the routed experts (the released K3's)
+// is supported; every other format, bit width, group size or scale type is an error naming it.
+absl::Status ParseQuantization(const json& q, const std::string& where, ModelConfig& c) {
+  if (!q.is_object()) return Invalid(where, "\"quantization_config\" is not an object");
+  Reader r(q, where + " quantization_config");
+  K3_ASSIGN_OR_RETURN(std::string method, r.String("quant_method"));
+  if (method != "compressed-tensors")
+    return Invalid(r.where(), "\"quant_method\" \"" + method + "\" is not supported (only \"compressed-tensors\")");
+  K3_ASSIGN_OR_RETURN(std::string format, r.String("format"));
+  if (format != "mxfp4-pack-quantized")
+    return Invalid(r.where(), "\"format\" \"" + format + "\" is not supported (only \"mxfp4-pack-quantized\")");
+  if (r.Has("quantization_status")) {
+    K3_ASSIGN_OR_RETURN(std::string status, r.String("quantization_status"));
+    if (status != "compressed")
+      return Invalid(r.where(), "\"quantization_status\" must be \"compressed\", got \"" + status + "\"");
+  } else {
+    r.Ignore("quantization_status");
+  }
+  if (r.Has("kv_cache_scheme")) return Invalid(r.where(), "\"kv_cache_scheme\" is not supported (must be null)");
+  r.Ignore("kv_cache_scheme");
+  r.Ignore("global_compression_ratio");
+  if (!r.Has("config_groups") || !r.Raw("config_groups").is_object() || r.Raw("config_groups").empty())
+    return Invalid(r.where(), "\"config_groups\" must be a non-empty object");
+  const json& groups = r.Raw("config_groups");
+  for (auto it = groups.begin(); it != groups.end(); ++it) {
+    const std::string gw = r.where() + " config_groups." + it.key();
+    if (!it.value().is_object()) return Invalid(gw, "is not an object");
+    Reader g(it.value(), gw);
+    if (g.Has("format")) {
+      K3_ASSIGN_OR_RETURN(std::string f, g.String("format"));
+      if (f != format) return Invalid(gw, "\"format\" \"" + f + "\" is not supported (only \"mxfp4-pack-quantized\")");
+    }
+    g.Ignore("format");
+    g.Ignore("targets");
+    for (const char* k : {"input_activations", "output_activations"})
+      if (g.Has(k)) {
+        return Invalid(gw, absl::StrCat("\"", k, "\" (activation quantization) is not supported"));
+      } else {
+        g.Ignore(k);
+      }
+    if (!g.Has("weights") || !g.Raw("weights").is_object()) return Invalid(gw, "missing \"weights\" (an object)");
+    Reader w(g.Raw("weights"), gw + " weights");
+    K3_ASSIGN_OR_RETURN(int64_t bits, w.Int("num_bits"));
+    if (bits != 4) return Invalid(w.where(), absl::StrCat("\"num_bits\" ", bits, " is not supported (MXFP4: 4)"));
+    K3_ASSIGN_OR_RETURN(std::string type, w.String("type"));
+    if (type != "float") return Invalid(w.where(), "\"type\" \"" + type + "\" is not supported (MXFP4: \"float\")");
+    K3_ASSIGN_OR_RETURN(int64_t group, w.Int("group_size"));
+    if (group != 32) return Invalid(w.where(), absl::StrCat("\"group_size\" ", group, " is not supported (MXFP4: 32)"));
+    K3_ASSIGN_OR_RETURN(std::string strategy, w.String("strategy"));
+    if (strategy != "group") return Invalid(w.where(), "\"strategy\" \"" + strategy + "\" is not supported (\"group\")");
+    K3_ASSIGN_OR_RETURN(bool symmetric, w.BoolOr("symmetric", true));
+    if (!symmetric) return Invalid(w.where(), "\"symmetric\": false is not supported");
+    K3_ASSIGN_OR_RETURN(bool dynamic, w.BoolOr("dynamic", false));
+    if (dynamic) return Invalid(w.where(), "\"dynamic\": true is not supported");
+    if (w.Has("scale_dtype")) {
+      K3_ASSIGN_OR_RETURN(std::string sd, w.String("scale_dtype"));
+      if (sd != "torch.uint8") return Invalid(w.where(), "\"scale_dtype\" \"" + sd + "\" is not supported (E8M0: \"torch.uint8\")");
+    }
+    for (const char* k : {"scale_dtype", "actorder", "block_structure", "observer", "observer_kwargs", "zp_dtype"})
+      w.Ignore(k);
+    K3_RETURN_IF_ERROR(w.CheckNoUnknown({}));
+    K3_RETURN_IF_ERROR(g.CheckNoUnknown({}));
+  }
+  // The routed experts must be what is quantized: an ignore pattern that matches them would mean a
+  // float checkpoint that claims MXFP4.
+  if (r.Has("ignore")) {
+    const json& ignore = r.Raw("ignore");
+    if (!ignore.is_array()) return Invalid(r.where(), "\"ignore\" must be a list of strings");
+    const std::string expert = names::InLayout(names::Expert(1, 0, "w1"), names::Layout::kK3Release);
+    for (const json& e : ignore) {
+      if (!e.is_string()) return Invalid(r.where(), "\"ignore\" must be a list of strings");
+      const std::string pat = e.get<std::string>();
+      bool hit = pat == expert;
+      if (pat.starts_with("re:")) {
+        try {
+          hit = std::regex_match(expert, std::regex(pat.substr(3)));
+        } catch (const std::regex_error&) {
+          return Invalid(r.where(), "\"ignore\" entry \"" + pat + "\" is not a valid regular expression");
+        }
+      }
+      if (hit) return Invalid(r.where(), "\"ignore\" entry \"" + pat + "\" excludes the routed experts (" + expert + ")");
+    }
+  } else {
+    r.Ignore("ignore");
+  }
+  K3_RETURN_IF_ERROR(r.CheckNoUnknown({}));
+  c.expert_format = ExpertFormat::kMxfp4;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -319,6 +424,21 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
                           "routed_scaling_factor", "num_expert_group", "topk_group", "moe_renormalize",
                           "routed_expert_hidden_size", "latent_moe_use_norm"})
       r.Ignore(k);
+  }
+
+  // Quantized routed experts (in text_config as released, or at the top level).
+  const json* quant = r.Has("quantization_config") ? &r.Raw("quantization_config")
+                      : root.contains("quantization_config") && !root["quantization_config"].is_null()
+                          ? &root["quantization_config"]
+                          : nullptr;
+  r.Ignore("quantization_config");
+  if (quant != nullptr) {
+    K3_RETURN_IF_ERROR(ParseQuantization(*quant, where, c));
+    if (!any_moe) return Invalid(where, "\"quantization_config\" quantizes routed experts, but the model has none");
+    for (int64_t w : {c.expert_width(), c.moe_intermediate_size})
+      if (w % 32 != 0)
+        return Invalid(where, absl::StrCat("MXFP4 experts need widths that are multiples of the group size 32 "
+                                           "(routed_expert_hidden_size or hidden_size, moe_intermediate_size): ", w));
   }
 
   // Block AttnRes.

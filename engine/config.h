@@ -12,6 +12,9 @@ namespace k3 {
 enum class Mixer { kKda, kMla };
 enum class Mlp { kDense, kMoe };
 enum class Activation { kSilu, kSitu };
+// How the routed experts' w1, w2, w3 are stored: fp32/bf16 ".weight", or MXFP4 (compressed-tensors
+// "mxfp4-pack-quantized", group 32: ".weight_packed" + ".weight_scale", DESIGN §2).
+enum class ExpertFormat { kFloat, kMxfp4 };
 
 struct ModelConfig {
   int64_t vocab_size = 0;
@@ -62,6 +65,7 @@ struct ModelConfig {
   bool moe_renormalize = false;
   int64_t latent_dim = 0;  // routed_expert_hidden_size; 0: experts work at width d
   bool latent_norm = false;
+  ExpertFormat expert_format = ExpertFormat::kFloat;  // from quantization_config
 
   // Block Attention Residuals; 0: plain residual.
   int64_t attn_res_block = 0;
@@ -75,7 +79,8 @@ struct ModelConfig {
 };
 
 // Parses config.json text. Errors name the key. A config whose text model is nested under
-// "text_config" (the released K3 layout) is accepted.
+// "text_config" (the released K3 layout) is accepted, and a "quantization_config" that stores the
+// routed experts in MXFP4 (anything else it could describe is an error naming the key).
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source = "config.json");
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 

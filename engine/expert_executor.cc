@@ -14,7 +14,7 @@ absl::Status LocalExpertExecutor::Run(const ExpertRequest& r, float* out) const 
   const auto& experts = weights_.layers[r.layer].moe.experts;
   for (int64_t i = 0; i < r.rows * r.top_k; ++i) {
     const int32_t e = r.idx[i];
-    if (e >= static_cast<int32_t>(experts.size()) || (e >= 0 && experts[e].w1 == nullptr))
+    if (e >= static_cast<int32_t>(experts.size()) || (e >= 0 && !experts[e].w1.loaded()))
       return absl::FailedPreconditionError(absl::StrCat("expert ", e, " of layer ", r.layer, " is not loaded here"));
   }
   cpu::GluParams p{config_.act == Activation::kSitu ? cpu::GluAct::kSitu : cpu::GluAct::kSilu, config_.situ_beta,

@@ -1,8 +1,11 @@
 // Every checkpoint tensor name in one table (hub naming, as in the golden checkpoints), so a
-// naming change of a released checkpoint is one edit here.
+// naming change of a released checkpoint is one edit here. The released Kimi K3 names the same
+// tensors differently (Layout::kK3Release, DESIGN §2); InLayout maps a hub name onto it.
 #pragma once
 
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -69,10 +72,40 @@ inline constexpr const char* kLatentUp = "block_sparse_moe.routed_expert_up_proj
 inline constexpr const char* kExpertW1 = "w1.weight";  // after "block_sparse_moe.experts.E."
 inline constexpr const char* kExpertW2 = "w2.weight";
 inline constexpr const char* kExpertW3 = "w3.weight";
+// An MXFP4 expert matrix "….wK.weight" is stored as "….wK.weight_packed" and "….wK.weight_scale".
+inline constexpr const char* kPackedSuffix = "_packed";
+inline constexpr const char* kScaleSuffix = "_scale";
+
+// The released Kimi K3: the text model under "language_model." beside a vision tower and its
+// projector (never read by a text server); the dense MLP as "mlp."; A_log as a 1-D vector of at
+// least num_heads entries (the first num_heads are the heads').
+enum class Layout { kHub, kK3Release };
+inline constexpr const char* kReleasePrefix = "language_model.";
+inline constexpr const char* kReleaseDenseGate = "mlp.gate_proj.weight";
+inline constexpr const char* kReleaseDenseUp = "mlp.up_proj.weight";
+inline constexpr const char* kReleaseDenseDown = "mlp.down_proj.weight";
+inline bool SkippedInRelease(std::string_view name) {
+  return name.starts_with("vision_tower.") || name.starts_with("mm_projector.");
+}
 
 inline std::string Layer(int64_t layer, const char* suffix) { return absl::StrCat("model.layers.", layer, ".", suffix); }
 inline std::string Expert(int64_t layer, int64_t expert, const char* which) {
   return absl::StrCat("model.layers.", layer, ".block_sparse_moe.experts.", expert, ".", which);
+}
+
+// A hub name as the given layout spells it.
+inline std::string InLayout(const std::string& hub, Layout layout) {
+  if (layout == Layout::kHub) return hub;
+  std::string name = hub;
+  for (auto [from, to] : {std::pair{kDenseGate, kReleaseDenseGate}, std::pair{kDenseUp, kReleaseDenseUp},
+                          std::pair{kDenseDown, kReleaseDenseDown}}) {
+    const std::string_view f(from);
+    if (name.size() > f.size() && name.ends_with(f) && name[name.size() - f.size() - 1] == '.') {
+      name.replace(name.size() - f.size(), f.size(), to);
+      break;
+    }
+  }
+  return kReleasePrefix + name;
 }
 
 }  // namespace k3::names

@@ -13,21 +13,39 @@ namespace {
 
 class Loader {
  public:
-  Loader(const Checkpoint& ckpt, ModelWeights& out) : ckpt_(ckpt), out_(out) {}
+  Loader(const Checkpoint& ckpt, ModelWeights& out) : ckpt_(ckpt), out_(out), layout_(CheckpointLayout(ckpt)) {}
+  names::Layout layout() const { return layout_; }
 
-  // Checks name and shape; returns fp32 data if `load`, else nullptr.
-  absl::StatusOr<const float*> Get(const std::string& name, std::vector<int64_t> shape, bool load) {
+  // Checks name, shape and dtype; returns the tensor if present and well-formed.
+  absl::StatusOr<const TensorInfo*> Check(const TensorSpec& spec, bool is_u8) {
+    const std::string& name = spec.name;
+    const std::vector<int64_t>& shape = spec.shape;
     const TensorInfo* t = ckpt_.Find(name);
+    if (t == nullptr && ckpt_.Find(name + names::kPackedSuffix) != nullptr)
+      return absl::InvalidArgumentError(absl::StrCat(ckpt_.dir(), ": tensor \"", name, "\" is stored as MXFP4 (",
+                                                     name, names::kPackedSuffix,
+                                                     "), but config.json has no quantization_config"));
     if (t == nullptr)
       return absl::NotFoundError(absl::StrCat(ckpt_.dir(), ": missing tensor \"", name, "\" (expected shape [",
                                               absl::StrJoin(shape, ", "), "])"));
     expected_.insert(name);
-    if (t->shape != shape)
+    const bool shape_ok = spec.at_least ? t->shape.size() == 1 && t->shape[0] >= shape[0] : t->shape == shape;
+    if (!shape_ok)
       return absl::InvalidArgumentError(absl::StrCat(t->file, ": tensor \"", name, "\" has shape ", t->ShapeString(),
-                                                     ", expected [", absl::StrJoin(shape, ", "), "]"));
-    if (t->dtype != DType::kF32 && t->dtype != DType::kBF16)
+                                                     ", expected [", absl::StrJoin(shape, ", "), "]",
+                                                     spec.at_least ? " or longer" : ""));
+    if (is_u8 && t->dtype != DType::kU8)
+      return absl::InvalidArgumentError(absl::StrCat(t->file, ": tensor \"", name, "\" has dtype ",
+                                                     DTypeName(t->dtype), "; MXFP4 codes and scales are U8"));
+    if (!is_u8 && t->dtype != DType::kF32 && t->dtype != DType::kBF16)
       return absl::InvalidArgumentError(absl::StrCat(t->file, ": tensor \"", name, "\" has dtype ",
                                                      DTypeName(t->dtype), "; only F32 and BF16 are supported"));
+    return t;
+  }
+
+  // Checks the tensor; returns fp32 data if `load`, else nullptr.
+  absl::StatusOr<const float*> Get(const TensorSpec& spec, bool load) {
+    K3_ASSIGN_OR_RETURN(const TensorInfo* t, Check(spec, false));
     if (!load) return nullptr;
     const int64_t n = t->numel();
     // fp32 files are used in place (when the engine's scalar is the file's: not in tools/fp64_check.sh's build).
@@ -47,10 +65,25 @@ class Loader {
     return out_.owned.back().get();
   }
 
+  // An MXFP4 half, used in place from the mapping; scales are screened for 255 (NaN) when loaded.
+  absl::StatusOr<const uint8_t*> GetU8(const TensorSpec& spec, bool load) {
+    K3_ASSIGN_OR_RETURN(const TensorInfo* t, Check(spec, true));
+    if (!load) return nullptr;
+    const auto* data = reinterpret_cast<const uint8_t*>(t->data);
+    if (spec.role == TensorRole::kMxfp4Scale) {
+      const int64_t n = t->numel(), cols = spec.shape[1];
+      for (int64_t i = 0; i < n; ++i)
+        if (data[i] == cpu::kE8M0Nan)
+          return absl::InvalidArgumentError(absl::StrCat(t->file, ": tensor \"", spec.name, "\" has scale 0xFF (NaN) at [",
+                                                         i / cols, ", ", i % cols, "]"));
+    }
+    return data;
+  }
+
   // Every tensor in the checkpoint must be one the config implies.
   absl::Status CheckNoExtra() const {
     for (const auto& [name, t] : ckpt_.tensors())
-      if (!expected_.count(name))
+      if (!expected_.count(name) && !(layout_ == names::Layout::kK3Release && names::SkippedInRelease(name)))
         return absl::InvalidArgumentError(
             absl::StrCat(t.file, ": unexpected tensor \"", name, "\" (not used by this config)"));
     return absl::OkStatus();
@@ -59,6 +92,7 @@ class Loader {
  private:
   const Checkpoint& ckpt_;
   ModelWeights& out_;
+  const names::Layout layout_;
   std::set<std::string> expected_;
 };
 
@@ -77,7 +111,12 @@ WeightFilter WeightFilter::ExpertsOnly(std::function<bool(int64_t, int64_t)> slo
   return f;
 }
 
-std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c, ModelWeights* bind) {
+names::Layout CheckpointLayout(const Checkpoint& checkpoint) {
+  return checkpoint.Find(names::InLayout(names::kEmbed, names::Layout::kK3Release)) != nullptr ? names::Layout::kK3Release
+                                                                                              : names::Layout::kHub;
+}
+
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c, ModelWeights* bind, names::Layout layout) {
   namespace n = names;
   using R = TensorRole;
   const int64_t d = c.hidden_size, V = c.vocab_size;
@@ -87,11 +126,36 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c, ModelWeights* bind
   std::vector<TensorSpec> specs;
   int64_t layer = -1, expert = -1;
   // A tensor whose slot is a 2-D view (mat) or a plain pointer (vec); slots are null when unbound.
-  auto mat = [&](std::string name, int64_t rows, int64_t cols, Mat* slot, R role = R::kLinear) {
-    specs.push_back({std::move(name), {rows, cols}, role, layer, expert, bind ? slot : nullptr, nullptr});
+  auto add = [&](const std::string& hub, std::vector<int64_t> shape, R role) -> TensorSpec& {
+    const std::string name = names::InLayout(hub, layout);
+    TensorSpec t;
+    t.name = name;
+    t.shape = std::move(shape);
+    t.role = role;
+    t.layer = layer;
+    t.expert = expert;
+    t.value_name = hub;
+    specs.push_back(std::move(t));
+    return specs.back();
   };
-  auto vec = [&](std::string name, std::vector<int64_t> shape, const float** slot, R role) {
-    specs.push_back({std::move(name), std::move(shape), role, layer, expert, nullptr, bind ? slot : nullptr});
+  auto mat = [&](const std::string& name, int64_t rows, int64_t cols, Mat* slot, R role = R::kLinear) {
+    add(name, {rows, cols}, role).mat = bind ? slot : nullptr;
+  };
+  auto vec = [&](const std::string& name, std::vector<int64_t> shape, const float** slot, R role) {
+    add(name, std::move(shape), role).vec = bind ? slot : nullptr;
+  };
+  // A routed expert's matrix [rows, cols]: float, or the two U8 halves of its MXFP4 form.
+  auto expert_mat = [&](const std::string& name, int64_t rows, int64_t cols, cpu::ExpertMatrix* slot) {
+    if (c.expert_format == ExpertFormat::kFloat) {
+      vec(name, {rows, cols}, &slot->f32, R::kLinear);
+      return;
+    }
+    const std::string value_name = name;
+    add(name + names::kPackedSuffix, {rows, cols / 2}, R::kMxfp4Packed).u8 = bind ? &slot->mxfp4.packed : nullptr;
+    specs.back().value_name = value_name;
+    add(name + names::kScaleSuffix, {rows, cols / cpu::kMxfp4Group}, R::kMxfp4Scale).u8 =
+        bind ? &slot->mxfp4.scale : nullptr;
+    specs.back().value_name = value_name;
   };
 
   mat(n::kEmbed, V, d, &w.embed, R::kEmbedding);
@@ -124,7 +188,12 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c, ModelWeights* bind
       vec(name(n::kKdaQConv), {HD, 1, K}, &k.q_conv, R::kConv);
       vec(name(n::kKdaKConv), {HD, 1, K}, &k.k_conv, R::kConv);
       vec(name(n::kKdaVConv), {HD, 1, K}, &k.v_conv, R::kConv);
-      vec(name(n::kKdaALog), {1, 1, H, 1}, &k.A_log, R::kALog);
+      if (layout == names::Layout::kK3Release) {
+        vec(name(n::kKdaALog), {H}, &k.A_log, R::kALog);
+        specs.back().at_least = true;
+      } else {
+        vec(name(n::kKdaALog), {1, 1, H, 1}, &k.A_log, R::kALog);
+      }
       vec(name(n::kKdaDtBias), {HD}, &k.dt_bias, R::kDtBias);
       mat(name(n::kKdaFA), dk, d, &k.f_a);
       mat(name(n::kKdaFB), HD, dk, &k.f_b);
@@ -178,9 +247,9 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c, ModelWeights* bind
       m.experts.resize(E);
       for (expert = 0; expert < E; ++expert) {
         cpu::ExpertWeights& ew = m.experts[expert];
-        vec(n::Expert(l, expert, n::kExpertW1), {I, X}, &ew.w1, R::kLinear);
-        vec(n::Expert(l, expert, n::kExpertW2), {X, I}, &ew.w2, R::kLinear);
-        vec(n::Expert(l, expert, n::kExpertW3), {I, X}, &ew.w3, R::kLinear);
+        expert_mat(n::Expert(l, expert, n::kExpertW1), I, X, &ew.w1);
+        expert_mat(n::Expert(l, expert, n::kExpertW2), X, I, &ew.w2);
+        expert_mat(n::Expert(l, expert, n::kExpertW3), I, X, &ew.w3);
       }
       expert = -1;
     }
@@ -194,9 +263,13 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadWeights(const ModelConfig& c,
   auto w = std::make_unique<ModelWeights>();
   w->checkpoint = checkpoint;
   Loader L(*checkpoint, *w);
-  for (const TensorSpec& t : ExpectedTensors(c, w.get())) {
+  for (const TensorSpec& t : ExpectedTensors(c, w.get(), L.layout())) {
     const bool load = t.expert >= 0 ? filter.expert(t.layer, t.expert) : filter.non_expert;
-    K3_ASSIGN_OR_RETURN(const float* data, L.Get(t.name, t.shape, load));
+    if (t.u8 != nullptr) {
+      K3_ASSIGN_OR_RETURN(*t.u8, L.GetU8(t, load));
+      continue;
+    }
+    K3_ASSIGN_OR_RETURN(const float* data, L.Get(t, load));
     if (t.mat != nullptr) {
       *t.mat = Mat{data, t.shape[0], t.shape[1]};
     } else {

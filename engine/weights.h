@@ -8,6 +8,7 @@
 
 #include "common/safetensors.h"
 #include "engine/config.h"
+#include "engine/tensor_names.h"
 #include "kernels/cpu/experts.h"
 
 namespace k3 {
@@ -54,7 +55,7 @@ struct MoeWeights {
   Mat latent_down;                      // [ℓ, d]   (Stable LatentMoE)
   const float* latent_norm = nullptr;   // [ℓ]
   Mat latent_up;                        // [d, ℓ]
-  std::vector<cpu::ExpertWeights> experts;  // E entries; w1 null where not loaded
+  std::vector<cpu::ExpertWeights> experts;  // E entries; w1 not loaded() where not loaded
 };
 
 struct AttnResWeights {
@@ -106,6 +107,8 @@ enum class TensorRole {
   kDtBias,         // KDA dt_bias [H·dk]
   kRouterBias,     // e_score_correction_bias [E]
   kAttnResQuery,   // Block AttnRes pseudo-query [1, d]
+  kMxfp4Packed,    // an MXFP4 matrix's E2M1 codes, U8 [out, in/2]
+  kMxfp4Scale,     // its E8M0 scales, U8 [out, in/32]
 };
 
 // One tensor a config implies: hub name, shape, role, and its slot in ModelWeights when bound.
@@ -116,16 +119,27 @@ struct TensorSpec {
   int64_t layer = -1;   // -1: model level
   int64_t expert = -1;  // routed expert index; -1: not a routed expert's tensor
   Mat* mat = nullptr;           // 2-D views (rows, cols from shape)
-  const float** vec = nullptr;  // everything else
+  const float** vec = nullptr;  // everything else (float)
+  const uint8_t** u8 = nullptr;  // MXFP4 codes and scales
+  // The hub name of the matrix whose values a writer draws (the same in every layout;
+  // "….wK.weight" for both halves of an MXFP4 matrix).
+  std::string value_name;
+  bool at_least = false;  // 1-D, at least shape[0] values of which the first are read (release A_log)
 };
 
-// Every tensor the config implies, in a fixed order; the loader and the checkpoint writer both use
-// this list, so they cannot disagree. With `bind`, each spec also points at its slot in *bind,
-// whose layers and experts this sizes to the config.
-std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config, ModelWeights* bind = nullptr);
+// Every tensor the config implies, in a fixed order, named as `layout` names them; the loader and
+// the checkpoint writer both use this list, so they cannot disagree. With `bind`, each spec also
+// points at its slot in *bind, whose layers and experts this sizes to the config.
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config, ModelWeights* bind = nullptr,
+                                        names::Layout layout = names::Layout::kHub);
 
-// Loads and checks every tensor the config implies: a missing, extra or mis-shaped tensor is an
-// error naming the file and the tensor.
+// The layout a checkpoint is written in (the released K3's when its embedding is under its prefix).
+names::Layout CheckpointLayout(const Checkpoint& checkpoint);
+
+// Loads and checks every tensor the config implies: a missing, extra or mis-shaped tensor, a wrong
+// dtype, or an MXFP4 scale of 255 (NaN) in a loaded expert is an error naming the file and the
+// tensor. MXFP4 experts stay packed (views into the mapping). The release's vision tower and
+// projector are skipped.
 absl::StatusOr<std::unique_ptr<ModelWeights>> LoadWeights(const ModelConfig& config,
                                                           std::shared_ptr<const Checkpoint> checkpoint,
                                                           const WeightFilter& filter = WeightFilter::All());

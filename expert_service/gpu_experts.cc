@@ -5,7 +5,9 @@
 #include "common/bf16.h"
 #include "engine/cuda/cuda_status.h"
 #include "engine/tensor_names.h"
+#include "engine/weights.h"
 #include "kernels/cuda/moe.cuh"
+#include "kernels/cuda/mxfp4.cuh"
 
 namespace k3 {
 
@@ -17,6 +19,10 @@ struct GpuExperts::Impl {
   std::vector<const __nv_bfloat16**> w1, w3, w2;
   std::vector<std::vector<bool>> held;
   cuda::MoeWorkspace ws;
+  // MXFP4 experts (the release's): codes and scales in the kernels' fragment order, per layer tables.
+  bool mxfp4 = false;
+  std::vector<const uint8_t**> q1, q3, q2, s1, s3, s2;
+  cuda::Mxfp4Workspace mx_ws;
   // Staging, grown on demand.
   __nv_bfloat16 *x = nullptr, *out = nullptr;
   int32_t* idx = nullptr;
@@ -59,6 +65,7 @@ absl::StatusOr<std::unique_ptr<GpuExperts>> GpuExperts::Load(const ModelConfig& 
   m->c = c;
   K3_CUDA_OK(cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking));
   const int64_t E = c.num_experts, I = c.moe_intermediate_size, X = c.expert_width();
+  if (c.expert_format == ExpertFormat::kMxfp4) return LoadMxfp4(std::move(m), ck, slots);
   if (X % 8 != 0 || I % 8 != 0)
     return absl::InvalidArgumentError(absl::StrCat("GPU experts need widths that are multiples of 8 (expert width ", X,
                                                    ", intermediate ", I, ")"));
@@ -93,15 +100,64 @@ absl::StatusOr<std::unique_ptr<GpuExperts>> GpuExperts::Load(const ModelConfig& 
     std::vector<const __nv_bfloat16*> t1(E, nullptr), t3(E, nullptr), t2(E, nullptr);
     for (int64_t e = 0; e < E; ++e) {
       if (!slots.count({static_cast<int32_t>(l), static_cast<int32_t>(e)})) continue;
-      K3_ASSIGN_OR_RETURN(t1[e], upload(names::Expert(l, e, names::kExpertW1), I * X));
-      K3_ASSIGN_OR_RETURN(t3[e], upload(names::Expert(l, e, names::kExpertW3), I * X));
-      K3_ASSIGN_OR_RETURN(t2[e], upload(names::Expert(l, e, names::kExpertW2), X * I));
+      const names::Layout layout = CheckpointLayout(ck);
+      K3_ASSIGN_OR_RETURN(t1[e], upload(names::InLayout(names::Expert(l, e, names::kExpertW1), layout), I * X));
+      K3_ASSIGN_OR_RETURN(t3[e], upload(names::InLayout(names::Expert(l, e, names::kExpertW3), layout), I * X));
+      K3_ASSIGN_OR_RETURN(t2[e], upload(names::InLayout(names::Expert(l, e, names::kExpertW2), layout), X * I));
       m->held[l][e] = true;
     }
     for (auto [table, host] : {std::pair{&m->w1[l], &t1}, {&m->w3[l], &t3}, {&m->w2[l], &t2}}) {
       K3_ASSIGN_OR_RETURN(void* p, m->Alloc(E * sizeof(void*)));
       K3_CUDA_OK(cudaMemcpy(p, host->data(), E * sizeof(void*), cudaMemcpyHostToDevice));
       *table = static_cast<const __nv_bfloat16**>(p);
+    }
+  }
+  return std::unique_ptr<GpuExperts>(new GpuExperts(std::move(m)));
+}
+
+absl::StatusOr<std::unique_ptr<GpuExperts>> GpuExperts::LoadMxfp4(std::unique_ptr<Impl> m, const Checkpoint& ck,
+                                                                  const std::set<std::pair<int32_t, int32_t>>& slots) {
+  const ModelConfig& c = m->c;
+  const int64_t E = c.num_experts, I = c.moe_intermediate_size, X = c.expert_width();
+  m->mxfp4 = true;
+  for (auto* t : {&m->q1, &m->q3, &m->q2, &m->s1, &m->s3, &m->s2}) t->assign(c.num_layers, nullptr);
+  m->held.assign(c.num_layers, std::vector<bool>(E, false));
+  // The loader's own checks (names, U8, shapes, no 0xFF scale) on exactly these slots; the packed views
+  // it returns point into the mapping.
+  const std::shared_ptr<const Checkpoint> borrowed(&ck, [](const Checkpoint*) {});  // used only here
+  K3_ASSIGN_OR_RETURN(auto views, LoadWeights(c, borrowed, WeightFilter::ExpertsOnly([&](int64_t l, int64_t e) {
+                                                return slots.count({static_cast<int32_t>(l), static_cast<int32_t>(e)}) > 0;
+                                              })));
+  std::vector<uint8_t> codes, scales;
+  auto upload = [&](const cpu::Mxfp4Matrix& w, int64_t rows, int64_t cols, const uint8_t** q,
+                    const uint8_t** s) -> absl::Status {
+    codes.resize(cuda::Mxfp4CodeBytes(rows, cols));
+    scales.resize(cuda::Mxfp4ScaleBytes(rows, cols));
+    cuda::Mxfp4ToFragments(w.packed, w.scale, rows, cols, codes.data(), scales.data());
+    K3_ASSIGN_OR_RETURN(void* dq, m->Alloc(codes.size()));
+    K3_ASSIGN_OR_RETURN(void* ds, m->Alloc(scales.size()));
+    K3_CUDA_OK(cudaMemcpy(dq, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    K3_CUDA_OK(cudaMemcpy(ds, scales.data(), scales.size(), cudaMemcpyHostToDevice));
+    *q = static_cast<const uint8_t*>(dq), *s = static_cast<const uint8_t*>(ds);
+    return absl::OkStatus();
+  };
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (c.mlp[l] != Mlp::kMoe) continue;
+    std::vector<const uint8_t*> t[6];
+    for (auto& v : t) v.assign(E, nullptr);
+    for (int64_t e = 0; e < E; ++e) {
+      if (!slots.count({static_cast<int32_t>(l), static_cast<int32_t>(e)})) continue;
+      const cpu::ExpertWeights& w = views->layers[l].moe.experts[e];
+      K3_RETURN_IF_ERROR(upload(w.w1.mxfp4, I, X, &t[0][e], &t[3][e]));
+      K3_RETURN_IF_ERROR(upload(w.w3.mxfp4, I, X, &t[1][e], &t[4][e]));
+      K3_RETURN_IF_ERROR(upload(w.w2.mxfp4, X, I, &t[2][e], &t[5][e]));
+      m->held[l][e] = true;
+    }
+    std::vector<const uint8_t**>* tables[6] = {&m->q1, &m->q3, &m->q2, &m->s1, &m->s3, &m->s2};
+    for (int i = 0; i < 6; ++i) {
+      K3_ASSIGN_OR_RETURN(void* p, m->Alloc(E * sizeof(void*)));
+      K3_CUDA_OK(cudaMemcpy(p, t[i].data(), E * sizeof(void*), cudaMemcpyHostToDevice));
+      (*tables[i])[l] = static_cast<const uint8_t**>(p);
     }
   }
   return std::unique_ptr<GpuExperts>(new GpuExperts(std::move(m)));
@@ -126,6 +182,18 @@ absl::Status GpuExperts::Run(const ExpertRequest& r, float* out) {
   K3_CUDA_OK(cudaMemcpyAsync(m.x, m.host_bf16.data(), n * 2, cudaMemcpyHostToDevice, m.stream));
   K3_CUDA_OK(cudaMemcpyAsync(m.idx, r.idx, nk * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
   K3_CUDA_OK(cudaMemcpyAsync(m.w, r.w, nk * sizeof(float), cudaMemcpyHostToDevice, m.stream));
+  if (m.mxfp4) {
+    K3_CUDA_OK(m.mx_ws.Reserve(nk, r.width, c.moe_intermediate_size, c.num_experts));
+    cuda::Mxfp4ExpertsArgs a;
+    a.N = r.rows, a.D = r.width, a.I = c.moe_intermediate_size, a.top_k = r.top_k, a.num_experts = c.num_experts;
+    a.x = m.x, a.idx = m.idx, a.w = m.w;
+    a.w1 = m.q1[r.layer], a.s1 = m.s1[r.layer], a.w3 = m.q3[r.layer], a.s3 = m.s3[r.layer];
+    a.w2 = m.q2[r.layer], a.s2 = m.s2[r.layer];
+    a.act = c.act == Activation::kSitu ? cuda::GluAct::kSitu : cuda::GluAct::kSilu;
+    a.situ_beta = c.situ_beta, a.situ_linear_beta = c.situ_linear_beta;
+    a.out = m.out;
+    K3_CUDA_OK(cuda::Mxfp4Experts(a, m.mx_ws, m.stream));
+  } else {
   K3_CUDA_OK(m.ws.Reserve(nk, r.width, c.moe_intermediate_size, c.num_experts));
   cuda::MoeExpertsArgs a;
   a.N = r.rows;
@@ -144,6 +212,7 @@ absl::Status GpuExperts::Run(const ExpertRequest& r, float* out) {
   a.situ_linear_beta = c.situ_linear_beta;
   a.out = m.out;
   K3_CUDA_OK(cuda::MoeExperts(a, cuda::MoeGemm::kAuto, m.ws, m.stream));
+  }
   K3_CUDA_OK(cudaMemcpyAsync(m.host_bf16.data(), m.out, n * 2, cudaMemcpyDeviceToHost, m.stream));
   K3_CUDA_OK(cudaStreamSynchronize(m.stream));
   for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(m.host_bf16[i]);

@@ -18,7 +18,8 @@ namespace k3 {
 
 class GpuExperts {
  public:
-  // Uploads the slots' w1, w3, w2 (fp32 or bf16 in the checkpoint) as bf16.
+  // Uploads the slots' w1, w3, w2: fp32 or bf16 in the checkpoint as bf16; MXFP4 (the release's) as
+  // MXFP4, run by the kernels of kernels/cuda/mxfp4.cuh (4.25 bits a weight on the device).
   static absl::StatusOr<std::unique_ptr<GpuExperts>> Load(const ModelConfig& config, const Checkpoint& checkpoint,
                                                           const std::set<std::pair<int32_t, int32_t>>& slots,
                                                           int device = 0);
@@ -34,6 +35,8 @@ class GpuExperts {
 
  private:
   explicit GpuExperts(std::unique_ptr<Impl> impl);
+  static absl::StatusOr<std::unique_ptr<GpuExperts>> LoadMxfp4(std::unique_ptr<Impl> m, const Checkpoint& checkpoint,
+                                                               const std::set<std::pair<int32_t, int32_t>>& slots);
   std::unique_ptr<Impl> impl_;
 };
 

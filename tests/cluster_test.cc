@@ -250,6 +250,40 @@ TEST(Cluster, ServesAnMkmodelK3Model) {
   std::filesystem::remove_all(dir);
 }
 
+// A K3 model in the released layout with MXFP4 experts (written by k3serve-mkmodel; experts 64
+// wide, so that the group of 32 divides them): the expert nodes keep their slots packed and the
+// cluster gives what the in-process engine gives.
+TEST(Cluster, ServesAnMxfp4K3ModelInTheReleaseLayout) {
+  const std::string dir = ::testing::TempDir() + "/k3_cluster_mxfp4";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "_config");
+  const std::string config = dir + "_config/config.json";
+  ASSERT_EQ(std::system(("sed 's/\"moe_intermediate_size\": 48/\"moe_intermediate_size\": 64/' " + testing::SourceDir() +
+                         "/tools/configs/tiny-k3.json > " + config).c_str()),
+            0);
+  const std::string mk = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + config + " --out " + dir +
+                         " --seed 3 --experts-dtype mxfp4 --layout k3-release > /dev/null";
+  ASSERT_EQ(std::system(mk.c_str()), 0);
+  ClusterOptions o = Options(1, 2);
+  o.model = dir;
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto model = Model::Load(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_EQ((*model)->config().expert_format, ExpertFormat::kMxfp4);
+  ASSERT_EQ((*model)->config().moe_intermediate_size, 64);
+  InferenceClient client((*cluster)->attention_addresses()[0]);
+  for (const std::vector<int32_t>& prompt : {std::vector<int32_t>{1}, {1, 5, 77, 300, 12, 9, 450, 33, 2, 101}}) {
+    auto want = GenerateGreedy(**model, prompt, 20);
+    ASSERT_TRUE(want.ok());
+    auto got = client.Generate(prompt, Greedy(20), absl::Seconds(30));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->tokens, *want);
+  }
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(dir + "_config");
+}
+
 // The Python client (Debian's python3-grpcio) gets the same tokens as the C++ one.
 TEST(Cluster, PythonClient) {
   auto cluster = LocalCluster::Start(Options(1, 1));

@@ -1,6 +1,8 @@
 // k3serve-bench-engine: CPU engine throughput — prefill and decode tokens/s at several batch sizes.
 //   k3serve-bench-engine [--model DIR] [--batches 1,8,32] [--prompt 128] [--decode 32] [--state-configs F,F]
 // Also reports the per-sequence state of the --state-configs models, computed from their configs.
+//   k3serve-bench-engine --plan tools/configs/kimi-k3.json [--plan-experts mxfp4,bf16] [--gpu-gib 139]
+// prints a capacity plan instead: the bytes of each pool and the GPUs the expert pool needs.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -14,6 +16,7 @@
 #include "common/flags.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "engine/capacity.h"
 #include "engine/engine.h"
 
 ABSL_FLAG(std::string, model, "tests/data/tiny-kimi-linear", "model directory");
@@ -22,6 +25,11 @@ ABSL_FLAG(int, prompt, 128, "prompt tokens per sequence");
 ABSL_FLAG(int, decode, 32, "decode steps to time");
 ABSL_FLAG(std::string, state_configs, "tools/configs/kimi-k3.json,tools/configs/kimi-linear-48b.json",
           "comma-separated config.json files whose per-sequence state to report (empty: none)");
+
+ABSL_FLAG(std::string, plan, "", "comma-separated config.json files: print their capacity plans and exit");
+ABSL_FLAG(std::string, plan_experts, "mxfp4,bf16", "routed expert storage types to plan for (fp32, bf16, mxfp4)");
+ABSL_FLAG(double, gpu_gib, 139.0, "memory of one GPU in GiB (an H200: 139)");
+ABSL_FLAG(double, gpu_reserve_gib, 8.0, "GiB of each GPU kept for the CUDA context, workspaces and activations");
 
 namespace k3 {
 namespace {
@@ -51,7 +59,36 @@ int ReportStateBytes() {
   return 0;
 }
 
+int Plan() {
+  const double gpu = (absl::GetFlag(FLAGS_gpu_gib) - absl::GetFlag(FLAGS_gpu_reserve_gib)) * 1073741824.0;
+  for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_plan), ',', absl::SkipEmpty())) {
+    const std::string path(part);
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    const auto c = in ? ParseModelConfig(text.str(), path) : absl::NotFoundError(path + ": cannot open");
+    if (!c.ok()) {
+      std::fprintf(stderr, "error: --plan: %s\n", std::string(c.status().message()).c_str());
+      return 2;
+    }
+    std::printf("capacity plan of %s (%ld layers, %ld experts of %ld x %ld, top-%ld), GPUs of %.0f GiB less %.0f:\n",
+                path.c_str(), static_cast<long>(c->num_layers), static_cast<long>(c->num_experts),
+                static_cast<long>(c->moe_intermediate_size), static_cast<long>(c->expert_width()),
+                static_cast<long>(c->top_k), absl::GetFlag(FLAGS_gpu_gib), absl::GetFlag(FLAGS_gpu_reserve_gib));
+    for (const auto& t : absl::StrSplit(absl::GetFlag(FLAGS_plan_experts), ',', absl::SkipEmpty())) {
+      const auto type = ParseWeightType(std::string(t));
+      if (!type.ok()) {
+        std::fprintf(stderr, "error: --plan-experts: %s\n", std::string(type.status().message()).c_str());
+        return 2;
+      }
+      std::printf("%s", FormatPlan(PlanCapacity(*c, *type, gpu)).c_str());
+    }
+  }
+  return 0;
+}
+
 int Run() {
+  if (!absl::GetFlag(FLAGS_plan).empty()) return Plan();
   auto model = Model::Load(absl::GetFlag(FLAGS_model));
   if (!model.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(model.status().message()).c_str());

@@ -359,7 +359,7 @@ namespace {
 // Checkpoint tensors → device, converting to the device dtype.
 class CheckpointSource : public TensorSource {
  public:
-  explicit CheckpointSource(const Checkpoint& ck) : ck_(ck) {}
+  CheckpointSource(const Checkpoint& ck, const ModelConfig& c) : ck_(ck), c_(c), layout_(CheckpointLayout(ck)) {}
 
   absl::Status Bf16(const std::string& name, bf16* dst) override {
     K3_ASSIGN_OR_RETURN(const TensorInfo* t, Find(name));
@@ -380,7 +380,9 @@ class CheckpointSource : public TensorSource {
 
   absl::Status F32(const std::string& name, float* dst) override {
     K3_ASSIGN_OR_RETURN(const TensorInfo* t, Find(name));
-    const int64_t n = t->numel();
+    // The release's A_log is longer than the heads (checked by the loader): its first num_heads are theirs.
+    const bool a_log = layout_ == names::Layout::kK3Release && name.ends_with(names::kKdaALog);
+    const int64_t n = a_log ? c_.kda_heads : t->numel();
     std::vector<float> h(n);
     for (int64_t i = 0; i < n; ++i) {
       if (t->dtype == DType::kF32) {
@@ -396,12 +398,15 @@ class CheckpointSource : public TensorSource {
   }
 
  private:
-  absl::StatusOr<const TensorInfo*> Find(const std::string& name) {
+  absl::StatusOr<const TensorInfo*> Find(const std::string& hub_name) {
+    const std::string name = names::InLayout(hub_name, layout_);
     const TensorInfo* t = ck_.Find(name);
     if (t == nullptr) return absl::NotFoundError(absl::StrCat(ck_.dir(), ": missing tensor \"", name, "\""));
     return t;
   }
   const Checkpoint& ck_;
+  const ModelConfig& c_;
+  const names::Layout layout_;
 };
 
 // Random weights drawn on the device by tensor role, as k3serve-mkmodel draws them (projections with variance
@@ -439,6 +444,9 @@ class RandomSource : public TensorSource {
         break;
       case TensorRole::kRouterBias: kind = RandomKind::kUniform, a = -0.1f, b = 0.1f; break;
       case TensorRole::kAttnResQuery: b = 0.25f / std::sqrt(fan_in); break;
+      case TensorRole::kMxfp4Packed:
+      case TensorRole::kMxfp4Scale:
+        return absl::UnimplementedError(absl::StrCat("\"", name, "\": the GPU model does not run MXFP4 experts yet"));
     }
     K3_CUDA_OK(FillRandom(n, kind, a, b, seed_ ^ std::hash<std::string>{}(name), f32, b16, nullptr));
     return absl::OkStatus();
@@ -1215,6 +1223,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   if (config.has_layer_kind(Mixer::kKda) && config.conv_kernel > kKdaConvMaxK)
     return absl::UnimplementedError(
         absl::StrCat("short_conv_kernel_size ", config.conv_kernel, " (the GPU conv takes ≤ ", kKdaConvMaxK, ")"));
+  if (config.expert_format == ExpertFormat::kMxfp4 && options.routed_experts)
+    return absl::UnimplementedError("MXFP4 routed experts in the GPU model (run them on expert nodes: "
+                                    "k3serve-expert --device cuda, with CudaModelOptions::routed_experts off)");
   if (config.num_experts > 1024)
     return absl::UnimplementedError(
         absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));
@@ -1244,7 +1255,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Load(const std::string& di
   check.non_expert = false;
   check.expert = [](int64_t, int64_t) { return false; };
   K3_RETURN_IF_ERROR(LoadWeights(config, shared, check).status());
-  CheckpointSource source(*shared);
+  CheckpointSource source(*shared, config);
   return Create(config, source, options);
 }
 

@@ -216,6 +216,8 @@ std::string WriteRandomModel(const std::string& tag, const std::string& config_j
           break;
         case TensorRole::kRouterBias: x = 0.2f * uni(rng) - 0.1f; break;
         case TensorRole::kAttnResQuery: x = normal(rng) * 0.25f / std::sqrt(fan_in); break;
+        case TensorRole::kMxfp4Packed:  // not in this (float) config
+        case TensorRole::kMxfp4Scale: break;
       }
       e = FloatToBf16(x);
     }

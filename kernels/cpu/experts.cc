@@ -10,6 +10,14 @@ namespace {
 
 inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// An expert matrix as fp32: the weights themselves, or the MXFP4 ones dequantized into *buf.
+const float* Fp32(const ExpertMatrix& W, int64_t rows, int64_t cols, std::vector<float>* buf) {
+  if (W.f32 != nullptr) return W.f32;
+  buf->resize(rows * cols);
+  DequantizeMxfp4(W.mxfp4, cols, 0, rows, buf->data());
+  return buf->data();
+}
+
 }  // namespace
 
 void GluActivate(int64_t n, const float* g, const float* u, float* h, const GluParams& p) {
@@ -45,6 +53,24 @@ void GluMlp(int64_t M, int64_t D, int64_t I, const float* x, const float* W1, co
   Linear(M, D, I, g.data(), W2, y, beta);
 }
 
+void ExpertLinear(int64_t M, int64_t N, int64_t K, const float* x, const ExpertMatrix& W, float* y, float beta) {
+  if (W.f32 != nullptr) {
+    Linear(M, N, K, x, W.f32, y, beta);
+  } else {
+    LinearMxfp4(M, N, K, x, W.mxfp4, y, beta);
+  }
+}
+
+void GluMlp(int64_t M, int64_t D, int64_t I, const float* x, const ExpertWeights& W, const GluParams& p, float* y,
+            float beta) {
+  if (M == 0) return;
+  std::vector<float> g(M * I), u(M * I);
+  ExpertLinear(M, I, D, x, W.w1, g.data());
+  ExpertLinear(M, I, D, x, W.w3, u.data());
+  GluActivate(M * I, g.data(), u.data(), g.data(), p);
+  ExpertLinear(M, D, I, g.data(), W.w2, y, beta);
+}
+
 void GluMlpRef(int64_t M, int64_t D, int64_t I, const float* x, const float* W1, const float* W3, const float* W2,
                const GluParams& p, float* y) {
   std::vector<float> g(M * I), u(M * I);
@@ -78,7 +104,7 @@ void MoeExperts(int64_t N, int64_t D, int64_t I, int64_t k, const float* x, cons
       const float* src = x + (order[begin + r] / k) * D;
       std::copy(src, src + D, xs.begin() + r * D);
     }
-    GluMlp(m, D, I, xs.data(), experts[e].w1, experts[e].w3, experts[e].w2, p, ys.data());
+    GluMlp(m, D, I, xs.data(), experts[e], p, ys.data());
     for (int64_t r = 0; r < m; ++r) {
       const int64_t pair = order[begin + r];
       const float wt = w[pair];
@@ -90,13 +116,15 @@ void MoeExperts(int64_t N, int64_t D, int64_t I, int64_t k, const float* x, cons
 
 void MoeExpertsRef(int64_t N, int64_t D, int64_t I, int64_t k, const float* x, const int32_t* idx, const float* w,
                    const ExpertWeights* experts, const GluParams& p, float* out) {
-  std::vector<float> y(D);
+  std::vector<float> y(D), b1, b3, b2;
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t c = 0; c < D; ++c) out[n * D + c] = 0.0f;
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = idx[n * k + j];
       if (e < 0) continue;
-      GluMlpRef(1, D, I, x + n * D, experts[e].w1, experts[e].w3, experts[e].w2, p, y.data());
+      const ExpertWeights& ew = experts[e];
+      GluMlpRef(1, D, I, x + n * D, Fp32(ew.w1, I, D, &b1), Fp32(ew.w3, I, D, &b3), Fp32(ew.w2, D, I, &b2), p,
+                y.data());
       for (int64_t c = 0; c < D; ++c) out[n * D + c] += w[n * k + j] * y[c];
     }
   }

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/mxfp4.h"
+
 namespace k3::cpu {
 
 enum class GluAct { kSilu, kSitu };
@@ -24,11 +26,29 @@ void GluMlp(int64_t M, int64_t D, int64_t I, const float* x, const float* W1, co
 void GluMlpRef(int64_t M, int64_t D, int64_t I, const float* x, const float* W1, const float* W3, const float* W2,
                const GluParams& p, float* y);
 
-struct ExpertWeights {
-  const float* w1 = nullptr;  // [I, D]
-  const float* w3 = nullptr;  // [I, D]
-  const float* w2 = nullptr;  // [D, I]
+// One expert projection [rows, cols]: fp32, or MXFP4 kept packed (dequantized a panel at a time
+// inside the product, so an expert costs 4.25 bits per weight in memory).
+struct ExpertMatrix {
+  const float* f32 = nullptr;
+  Mxfp4Matrix mxfp4;
+  ExpertMatrix() = default;
+  ExpertMatrix(const float* w) : f32(w) {}  // NOLINT: an fp32 matrix converts implicitly
+  explicit ExpertMatrix(Mxfp4Matrix w) : mxfp4(w) {}
+  bool loaded() const { return f32 != nullptr || mxfp4.packed != nullptr; }
 };
+
+// y = x · Wᵀ for an expert matrix W [N, K]; x [M, K], y [M, N].
+void ExpertLinear(int64_t M, int64_t N, int64_t K, const float* x, const ExpertMatrix& W, float* y, float beta = 0.0f);
+
+struct ExpertWeights {
+  ExpertMatrix w1;  // [I, D]
+  ExpertMatrix w3;  // [I, D]
+  ExpertMatrix w2;  // [D, I]
+};
+
+// GluMlp with expert matrices (fp32 or MXFP4).
+void GluMlp(int64_t M, int64_t D, int64_t I, const float* x, const ExpertWeights& W, const GluParams& p, float* y,
+            float beta = 0.0f);
 
 // Routed experts for N rows, each with k (expert, weight) pairs:
 //   out[n] = Σ_j w[n, j] · E_{idx[n, j]}(x[n])

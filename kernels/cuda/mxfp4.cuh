@@ -1,0 +1,75 @@
+// Routed experts from MXFP4 weights on the GPU (DESIGN §2: E2M1 codes, one E8M0 scale per 32 inputs).
+// SM90 has no FP4 tensor cores, so, as Marlin and triton_kernels do on Hopper, each warp dequantizes its
+// weights to bf16 in registers (exact: an E2M1 value times a power of two) and feeds the m16n8k16 bf16
+// tensor-core product; HBM carries 4.25 bits per weight instead of 16.
+//
+// Weights are uploaded in a fragment order (Mxfp4ToFragments): for every 16 rows × 32 inputs, lane l of a
+// warp reads the 8 bytes (16 codes) that its A fragments of the two k16 steps need, and 2 bytes of scales
+// (rows l/4 and l/4 + 8): one coalesced 256-byte load per warp per block, no shared-memory shuffle.
+// A warp owns 16 weight rows and runs an expert's tokens in passes of up to 64 (8 n-tiles of 8): the
+// gate/up kernel fuses the activation, h and each expert's output are rounded to bf16, and each token
+// sums its k weighted outputs in pair order (deterministic), as MoeExperts (moe.cuh) does.
+// Reference: k3::cpu::MoeExperts on the weights dequantized by k3::cpu::DequantizeMxfp4.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "kernels/cuda/glu.cuh"
+
+namespace k3::cuda {
+
+// Bytes of a [rows, cols] matrix in fragment order: codes rows·cols/2, scales rows·cols/32 (rows a
+// multiple of 16, cols of 32).
+int64_t Mxfp4CodeBytes(int64_t rows, int64_t cols);
+int64_t Mxfp4ScaleBytes(int64_t rows, int64_t cols);
+// Host: packed [rows, cols/2] and scale [rows, cols/32] (the checkpoint's layout) into fragment order.
+void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows, int64_t cols, uint8_t* codes,
+                      uint8_t* scales);
+
+struct Mxfp4ExpertsArgs {
+  int64_t N = 0;            // tokens
+  int64_t D = 0;            // model (latent) width ℓ, a multiple of 32
+  int64_t I = 0;            // expert intermediate width, a multiple of 32
+  int64_t top_k = 0;
+  int64_t num_experts = 0;  // E ≤ 8192
+  const __nv_bfloat16* x = nullptr;  // [N, D]
+  const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1: not routed here
+  const float* w = nullptr;          // [N, k]
+  // Device arrays of E device pointers, in fragment order (null where an expert is not held: its
+  // pairs must not be routed here).
+  const uint8_t* const* w1 = nullptr;  // W1_e [I, D] codes (gate)
+  const uint8_t* const* s1 = nullptr;  //        scales
+  const uint8_t* const* w3 = nullptr;  // W3_e [I, D] (up)
+  const uint8_t* const* s3 = nullptr;
+  const uint8_t* const* w2 = nullptr;  // W2_e [D, I] (down)
+  const uint8_t* const* s2 = nullptr;
+  GluAct act = GluAct::kSilu;
+  float situ_beta = 4.0f;
+  float situ_linear_beta = 25.0f;
+  __nv_bfloat16* out = nullptr;  // [N, D]
+};
+
+// Scratch for up to max_pairs = N·k pairs. Not thread-safe.
+class Mxfp4Workspace {
+ public:
+  Mxfp4Workspace();
+  ~Mxfp4Workspace();
+  Mxfp4Workspace(const Mxfp4Workspace&) = delete;
+  Mxfp4Workspace& operator=(const Mxfp4Workspace&) = delete;
+  cudaError_t Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t num_experts);
+
+  struct Buffers;
+
+ private:
+  std::unique_ptr<Buffers> b_;
+  friend cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs&, Mxfp4Workspace&, cudaStream_t);
+};
+
+// out[n] = Σ_j w[n, j] · W2_e · act(W1_e x[n], W3_e x[n]), e = idx[n, j] ≥ 0. No host synchronization.
+cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStream_t stream);
+
+}  // namespace k3::cuda
