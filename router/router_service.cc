@@ -68,6 +68,8 @@ RouterService::RouterService(ModelConfig config, metrics::Registry& reg, RouterO
                                                 "Version of the routing bias pushed with the placement (0: the checkpoint's)."))->WithLabels();
   m_bias_max_abs_ = metrics::Must(reg.AddGauge("k3serve_routing_bias_max_abs",
                                                "Adaptive mode: largest |bias| the router adds to a layer's checkpoint bias.", {"layer"}));
+  for (int64_t l = 0; l < config_.num_layers; ++l)  // 0 until adaptive routing moves a layer's bias
+    if (config_.mlp[l] == Mlp::kMoe) m_bias_max_abs_->WithLabels({std::to_string(l)}).Set(0);
   bias_.resize(config_.num_layers);
   if (!options_.expert_metrics_layers.empty())
     m_expert_tokens_ = metrics::Must(reg.AddCounter("k3serve_expert_tokens_total",

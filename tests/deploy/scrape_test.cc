@@ -3,7 +3,7 @@
 // of deploy/prometheus/rules.yml loaded. Checked with the real tools:
 //   - `promtool check metrics` is clean for every service's /metrics;
 //   - every PromQL expression of the Grafana dashboards and of the rules parses and returns data
-//     (`promtool query instant`), except those over the metrics in kNotYetExported.
+//     (`promtool query instant`).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -40,20 +40,6 @@ extern char** environ;
 namespace k3 {
 namespace {
 
-// Metrics the dashboards and rules use that no binary of this tree exports yet (the router's
-// rebalancing and adaptive routing, and its opt-in per-expert series). An expression that mentions one of these is
-// only parsed; every other must return data. Empty this list as they land: an entry whose
-// metric shows up fails the test, so that it cannot go stale.
-const std::set<std::string> kNotYetExported = {
-    "k3serve_rebalances_total",
-    "k3serve_experts_moved_total",
-    "k3serve_rebalance_in_progress",
-    "k3serve_routing_bias_version",
-    "k3serve_routing_bias_max_abs",
-    "k3serve_routing_mode",
-    "k3serve_expert_tokens_total",
-};
-
 constexpr char kPrometheus[] = "/usr/bin/prometheus";
 constexpr char kPromtool[] = "/usr/bin/promtool";
 
@@ -87,18 +73,6 @@ std::pair<int, std::string> RunTool(const std::vector<std::string>& argv, const 
   int status = 0;
   waitpid(pid, &status, 0);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, ReadFile(out)};
-}
-
-// The metric names an expression mentions (identifiers followed by a selector, a range or the end
-// of a term), without PromQL's functions and keywords.
-std::set<std::string> MetricsOf(const std::string& expr) {
-  static const std::regex kName(R"(([a-zA-Z_:][a-zA-Z0-9_:]*)\s*([\{\[\)]|$|\s))");
-  std::set<std::string> names;
-  for (std::sregex_iterator it(expr.begin(), expr.end(), kName), end; it != end; ++it) {
-    const std::string name = (*it)[1];
-    if (name.rfind("k3serve", 0) == 0 || name == "up") names.insert(name);
-  }
-  return names;
 }
 
 // A loopback port nobody listens on now (Prometheus binds it right after).
@@ -152,6 +126,7 @@ class ScrapeTest : public ::testing::Test {
     o.experts = 2;
     o.work_dir = *dir_ + "/cluster";
     o.orchestrated = true;  // the orchestrator's local backend runs the nodes; a gateway in front
+    o.router_args = {"--expert-metrics-layers=1"};  // the opt-in per-expert series, for the heatmap
     auto cluster = LocalCluster::Start(o);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = cluster->release();
@@ -309,14 +284,12 @@ TEST_F(ScrapeTest, EveryDashboardAndRuleExpressionReturnsData) {
   }
   ASSERT_TRUE(rules.is_object()) << ReadFile(*dir_ + "/prometheus.log");
   static const std::regex kComparison(R"(^\s*(.+?)\s*(>|<|==|!=|>=|<=)\s*(-?[0-9.]+)\s*$)");
-  std::map<std::string, std::set<std::string>> recorded;  // record name -> the metrics it reads
   int alerts = 0, records = 0;
   for (const auto& group : rules["data"]["groups"]) {
     for (const auto& rule : group["rules"]) {
       const std::string query = rule["query"];
       EXPECT_EQ(rule["health"], "ok") << rule.dump(2);
       if (rule["type"] == "recording") {
-        recorded[rule["name"]] = MetricsOf(query);
         exprs.push_back({absl::StrCat("rules.yml: ", rule["name"].get<std::string>()), query});
         exprs.push_back({absl::StrCat("rules.yml: recorded ", rule["name"].get<std::string>()), rule["name"]});
         ++records;
@@ -334,48 +307,22 @@ TEST_F(ScrapeTest, EveryDashboardAndRuleExpressionReturnsData) {
   EXPECT_EQ(alerts, 5);
   EXPECT_GE(records, 5);
 
-  int with_data = 0, pending = 0;
-  std::set<std::string> pending_seen;
+  int with_data = 0;
   for (const Expression& e : exprs) {
-    std::set<std::string> names = MetricsOf(e.expr), read;
-    while (!names.empty()) {  // through recorded series to what they read
-      const std::string name = *names.begin();
-      names.erase(names.begin());
-      if (!read.insert(name).second) continue;
-      if (auto it = recorded.find(name); it != recorded.end()) names.insert(it->second.begin(), it->second.end());
-    }
-    std::set<std::string> waiting;
-    for (const std::string& name : read) {
-      for (const std::string& p : kNotYetExported) {
-        if (name == p || name.rfind(p + "_", 0) == 0) waiting.insert(p);
-      }
-    }
     // Recorded series take a few evaluations to appear; the measures have data by now.
     std::pair<int, std::string> result;
     for (int i = 0; i < 20; ++i) {
       result = Query(e.expr);
-      if (result.first != 0 || !waiting.empty() || !absl::StripAsciiWhitespace(result.second).empty()) break;
+      if (result.first != 0 || !absl::StripAsciiWhitespace(result.second).empty()) break;
       absl::SleepFor(absl::Milliseconds(500));
     }
     const int rc = result.first;
     const std::string out(absl::StripAsciiWhitespace(result.second));  // an empty result prints "\n"
     EXPECT_EQ(rc, 0) << e.where << ": promtool query instant failed for " << e.expr << "\n" << out;
-    if (!waiting.empty()) {
-      ++pending;
-      pending_seen.insert(waiting.begin(), waiting.end());
-      EXPECT_EQ(out, "") << e.where << ": " << e.expr << " returns data now: remove "
-                         << absl::StrJoin(waiting, ", ") << " from kNotYetExported\n" << out;
-      continue;
-    }
     EXPECT_NE(out, "") << e.where << ": no data for " << e.expr;
     if (!out.empty()) ++with_data;
   }
-  // Every entry of kNotYetExported is still used by some expression.
-  for (const std::string& p : kNotYetExported) {
-    EXPECT_TRUE(pending_seen.contains(p)) << p << " is in kNotYetExported but no expression uses it";
-  }
-  std::printf("%zu expressions (%zu from dashboards): %d returned data, %d wait for kNotYetExported\n",
-              exprs.size(), dashboard_exprs, with_data, pending);
+  std::printf("%zu expressions (%zu from dashboards): %d returned data\n", exprs.size(), dashboard_exprs, with_data);
   EXPECT_GT(with_data, 30);
 }
 
