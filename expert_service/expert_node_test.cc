@@ -83,7 +83,8 @@ class BatchingWindow : public ::testing::Test {
       s->set_expert(0);
     }
     v1::LoadSlotsResponse resp;
-    ASSERT_TRUE(node_->LoadSlots(nullptr, &req, &resp).ok());
+    grpc::ServerContext ctx;  // in process: no credentials configured, so the admin check is open
+    ASSERT_TRUE(node_->LoadSlots(&ctx, &req, &resp).ok());
     auto t = dataplane::NewShmTransport();
     ASSERT_TRUE(t.ok()) << t.status();
     transport_ = std::move(*t);
@@ -142,9 +143,10 @@ TEST_F(BatchingWindow, WaitsForAnAttentionNodeBehindOnTheLayer) {
   ASSERT_TRUE(b_->WaitReplies(2, 20s));
   // The count moves after a batch's replies are sent.
   v1::ExpertStatus status;
+  grpc::ServerContext server_ctx;  // in process: no credentials configured, so the check is open
   for (int i = 0; i < 500 && status.batches_processed() < 3; ++i) {
     std::this_thread::sleep_for(10ms);
-    ASSERT_TRUE(node_->Status(nullptr, nullptr, &status).ok());
+    ASSERT_TRUE(node_->Status(&server_ctx, nullptr, &status).ok());
   }
   EXPECT_EQ(status.batches_processed(), 3) << "B's and A's rows of layer " << moe_[1] << " in one batch";
 }

@@ -73,7 +73,8 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
   ASSERT_FALSE(prompts.empty());
   // Out of bounds: the CLI fails with the reason.
   {
-    const std::string cmd = std::string(K3SERVE_BIN_DIR) + "/k3serve scale --orchestrator " + orch + " --experts 99 2>&1";
+    const std::string cmd = std::string(K3SERVE_BIN_DIR) + "/k3serve scale --orchestrator " + orch + " --admin-token-file " + admin +
+                            " --experts 99 2>&1";
     FILE* f = ::popen(cmd.c_str(), "r");
     ASSERT_NE(f, nullptr);
     char buf[512] = {0};
@@ -117,7 +118,7 @@ TEST(Orchestrator, ScalesBothPoolsUnderLoadWithoutLoss) {
   const int m = (*cluster)->orchestrator_metrics_port();
   for (const char* pool : {"attention", "experts"})
     for (const char* dir : {"up", "down"})
-      EXPECT_GE(Metric(m, "k3serve_scaling_events_total", absl::StrCat("pool=\"", pool, "\",direction=\"", dir, "\"")), 1)
+      EXPECT_GE(Metric(m, "k3serve_scaling_events_total", absl::StrCat("direction=\"", dir, "\",pool=\"", pool, "\"")), 1)
           << pool << " " << dir;
   EXPECT_GE(Metric(m, "k3serve_drain_duration_seconds_count", "pool=\"attention\""), 1);
   EXPECT_EQ(Metric(m, "k3serve_pool_actual_replicas", "pool=\"experts\""), 2);

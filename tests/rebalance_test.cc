@@ -143,6 +143,10 @@ TEST(Rebalance, ExpertJoiningAndLeavingUnderLoadLosesNothing) {
   load.Stop();
   load.Expect();
   EXPECT_EQ(RouterMetric(c, "k3serve_rebalances_total", "abandoned"), 0);
+  // The abandoned change still frees what it loaded before it ends.
+  for (const absl::Time end = absl::Now() + absl::Seconds(5);
+       RouterMetric(c, "k3serve_rebalance_in_progress") != 0 && absl::Now() < end;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(RouterMetric(c, "k3serve_rebalance_in_progress"), 0);
   std::printf("placement v%.0f, %.0f slots moved in all\n", RouterMetric(c, "k3serve_placement_version"),
               RouterMetric(c, "k3serve_experts_moved_total"));
@@ -174,6 +178,10 @@ TEST(Rebalance, StalledChangeIsAbandonedAndServingContinues) {
   EXPECT_LT(took, absl::Seconds(0.8 + 2 + 3));  // settle + timeout + slack
   std::printf("change abandoned %.2f s after the node stalled\n", absl::ToDoubleSeconds(took));
   EXPECT_EQ(RouterMetric(c, "k3serve_placement_version"), version);
+  // The abandoned change still frees what it loaded before it ends.
+  for (const absl::Time end = absl::Now() + absl::Seconds(5);
+       RouterMetric(c, "k3serve_rebalance_in_progress") != 0 && absl::Now() < end;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(RouterMetric(c, "k3serve_rebalance_in_progress"), 0);
   const std::string log = ReadFile(c.work_dir() + "/router.log");
   EXPECT_NE(log.find("abandoned: expert node expert-2 not ready"), std::string::npos) << log;

@@ -16,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/auth.h"
 #include "common/tls.h"
@@ -95,7 +96,8 @@ int Up() {
   o.tls = absl::GetFlag(FLAGS_tls);
   o.orchestrated = true;  // the orchestrator's local backend spawns, drains and restarts the nodes
   o.gateway_port = absl::GetFlag(FLAGS_port);
-  o.orchestrator_args = {"--interval=1"};
+  // The pools start at the sizes asked for and never go below them; the load may grow them.
+  o.orchestrator_args = {"--interval=1", absl::StrCat("--attention-min=", o.attention), absl::StrCat("--experts-min=", o.experts)};
   if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
   std::fprintf(stderr, "starting router, orchestrator (%d expert node(s), %d attention node(s)), gateway...\n", o.experts,
                o.attention);

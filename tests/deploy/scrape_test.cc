@@ -126,6 +126,7 @@ class ScrapeTest : public ::testing::Test {
     o.work_dir = *dir_ + "/cluster";
     o.orchestrated = true;  // the orchestrator's local backend runs the nodes; a gateway in front
     o.router_args = {"--expert-metrics-layers=1"};  // the opt-in per-expert series, for the heatmap
+    o.orchestrator_args = {"--experts-min=2"};  // the light traffic would shrink the pool to one node
     auto cluster = LocalCluster::Start(o);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = cluster->release();
