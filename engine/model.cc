@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "kernels/cpu/attnres.h"
 #include "kernels/cpu/conv.h"
@@ -299,8 +300,12 @@ void ForwardPass::Finish() {
   for (size_t i = 0; i < chunks_.size(); ++i) chunks_[i].state->position += static_cast<int64_t>(chunks_[i].tokens.size());
 }
 
-absl::Status RunPasses(std::span<ForwardPass* const> passes, ExpertExecutor& experts) {
-  std::vector<uint64_t> ticket(passes.size(), 0);
+namespace {
+
+// Runs the passes, dispatching each one's experts as the others compute; ticket[i] is pass i's
+// dispatch still to wait for.
+absl::Status RunPassesUntilError(std::span<ForwardPass* const> passes, ExpertExecutor& experts,
+                                 std::vector<uint64_t>& ticket) {
   auto advance = [&](size_t i) -> absl::Status {
     K3_ASSIGN_OR_RETURN(const ExpertRequest* req, passes[i]->RunToDispatch());
     if (req != nullptr) {
@@ -315,14 +320,25 @@ absl::Status RunPasses(std::span<ForwardPass* const> passes, ExpertExecutor& exp
     for (size_t i = 0; i < passes.size(); ++i) {
       if (passes[i]->done()) continue;
       active = true;
-      if (ticket[i] != 0) {
-        K3_RETURN_IF_ERROR(experts.Wait(ticket[i], passes[i]->expert_output()));
-        ticket[i] = 0;
-      }
+      if (ticket[i] != 0) K3_RETURN_IF_ERROR(experts.Wait(std::exchange(ticket[i], 0), passes[i]->expert_output()));
       K3_RETURN_IF_ERROR(advance(i));
     }
   }
   return absl::OkStatus();
 }
+
+}  // namespace
+
+absl::Status RunPasses(std::span<ForwardPass* const> passes, ExpertExecutor& experts) {
+  std::vector<uint64_t> ticket(passes.size(), 0);
+  const absl::Status status = RunPassesUntilError(passes, experts, ticket);
+  // A failed pass must not leave the others' dispatches behind: the executor would count them in
+  // flight for ever (and a placement change waits for them).
+  if (!status.ok())
+    for (size_t i = 0; i < passes.size(); ++i)
+      if (ticket[i] != 0) (void)experts.Wait(ticket[i], passes[i]->expert_output());
+  return status;
+}
+
 
 }  // namespace k3

@@ -136,6 +136,45 @@ TEST_P(ModelTest, PingPongEqualsOnePass) {
   EXPECT_LT(RelDiff(two, one), 1e-5);
 }
 
+// An executor whose first Wait fails, counting the dispatches nobody waited for.
+class FailFirstWait : public ExpertExecutor {
+ public:
+  explicit FailFirstWait(ExpertExecutor& inner) : inner_(inner) {}
+  absl::StatusOr<uint64_t> Submit(const ExpertRequest& r) override {
+    ++outstanding;
+    return inner_.Submit(r);
+  }
+  absl::Status Wait(uint64_t ticket, float* out) override {
+    --outstanding;
+    const absl::Status s = inner_.Wait(ticket, out);
+    if (!failed_) {
+      failed_ = true;
+      return absl::UnavailableError("expert node gone");
+    }
+    return s;
+  }
+  int outstanding = 0;
+
+ private:
+  ExpertExecutor& inner_;
+  bool failed_ = false;
+};
+
+// A failed micro-batch does not leave the other's dispatch in flight.
+TEST_P(ModelTest, FailedPassWaitsForTheOthersDispatch) {
+  const Model& model = Tiny(GetParam());
+  const ModelConfig& c = model.config();
+  LocalExpertExecutor local(c, model.weights());
+  FailFirstWait experts(local);
+  SequenceState s1(c), s2(c);
+  const std::vector<int32_t> x = Ids(5, 1, c.vocab_size), y = Ids(3, 2, c.vocab_size);
+  std::vector<SeqChunk> chunks = {{&s1, x, LogitsMode::kLast}, {&s2, y, LogitsMode::kLast}};
+  ForwardPass a(model, std::span<const SeqChunk>(chunks).first(1)), b(model, std::span<const SeqChunk>(chunks).subspan(1));
+  ForwardPass* passes[] = {&a, &b};
+  EXPECT_EQ(RunPasses(passes, experts).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(experts.outstanding, 0);
+}
+
 TEST_P(ModelTest, EmptyBatchAndBadTokens) {
   const Model& model = Tiny(GetParam());
   LocalExpertExecutor experts(model.config(), model.weights());
