@@ -11,6 +11,7 @@
 
 #include "absl/time/clock.h"
 #include "engine/engine.h"
+#include "tests/cluster_testing.h"
 #include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/golden.h"
@@ -20,23 +21,8 @@
 namespace k3 {
 namespace {
 
-std::string Model() { return testing::SourceDir() + "/tests/data/tiny-kimi-linear"; }
-
-ClusterOptions Options(int attention, int experts) {
-  ClusterOptions o;
-  o.bin_dir = K3SERVE_BIN_DIR;
-  o.model = Model();
-  o.attention = attention;
-  o.experts = experts;
-  return o;
-}
-
-SamplingParams Greedy(int n) {
-  SamplingParams p;
-  p.max_new_tokens = n;
-  p.ignore_eos = true;
-  return p;
-}
+using testing::Greedy;
+using testing::TinyCluster;
 
 double Live(int metrics_port) {
   auto m = HttpGet("127.0.0.1", metrics_port, "/metrics");
@@ -46,9 +32,9 @@ double Live(int metrics_port) {
 
 // Router + 1 attention + 2 expert nodes reproduce every golden greedy continuation.
 TEST(Cluster, GoldenContinuationsOneAttentionTwoExperts) {
-  auto cluster = LocalCluster::Start(Options(1, 2));
+  auto cluster = LocalCluster::Start(TinyCluster(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto golden = LoadGolden(Model());
+  auto golden = LoadGolden(testing::TinyModel());
   ASSERT_TRUE(golden.ok()) << golden.status();
   InferenceClient client((*cluster)->attention_addresses()[0]);
   for (size_t i = 0; i < golden->prompts.size(); ++i) {
@@ -64,9 +50,9 @@ TEST(Cluster, GoldenContinuationsOneAttentionTwoExperts) {
 
 // 2 attention + 3 expert nodes, 16 concurrent streams: each gets its golden continuation.
 TEST(Cluster, SixteenConcurrentStreamsTwoAttentionThreeExperts) {
-  auto cluster = LocalCluster::Start(Options(2, 3));
+  auto cluster = LocalCluster::Start(TinyCluster(2, 3));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto golden = LoadGolden(Model());
+  auto golden = LoadGolden(testing::TinyModel());
   ASSERT_TRUE(golden.ok());
   std::vector<std::thread> threads;
   std::vector<absl::StatusOr<GenerateResult>> results(16, absl::UnknownError("not run"));
@@ -87,7 +73,7 @@ TEST(Cluster, SixteenConcurrentStreamsTwoAttentionThreeExperts) {
 // deadline, the attention node stays up, and once the router has re-placed the dead node's experts
 // the next request succeeds.
 TEST(Cluster, ExpertKilledMidStream) {
-  auto cluster = LocalCluster::Start(Options(1, 2));
+  auto cluster = LocalCluster::Start(TinyCluster(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   InferenceClient client((*cluster)->attention_addresses()[0]);
   std::atomic<int> seen{0};
@@ -106,7 +92,7 @@ TEST(Cluster, ExpertKilledMidStream) {
   EXPECT_LT(took, absl::Seconds(30));
   EXPECT_TRUE((*cluster)->attention(0).alive());
   // The router drops the node (its watch stream broke) and re-places its experts.
-  auto golden = LoadGolden(Model());
+  auto golden = LoadGolden(testing::TinyModel());
   ASSERT_TRUE(golden.ok());
   const auto& p = golden->prompts[1];
   absl::StatusOr<GenerateResult> after = absl::UnknownError("not run");
@@ -122,7 +108,7 @@ TEST(Cluster, ExpertKilledMidStream) {
 // Bad requests get INVALID_ARGUMENT naming the field; a full queue RESOURCE_EXHAUSTED; a
 // cancelled stream frees its sequence.
 TEST(Cluster, BadRequestsFullQueueAndCancellation) {
-  ClusterOptions o = Options(1, 1);
+  ClusterOptions o = TinyCluster(1, 1);
   o.attention_args = {"--max-running=1", "--max-waiting=1", "--max-tokens-limit=60000", "--max-context=65536"};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -183,7 +169,7 @@ TEST(Cluster, BadRequestsFullQueueAndCancellation) {
 
 // Health is NOT_SERVING until the placement is complete; nodes re-register after a router restart.
 TEST(Cluster, HealthFollowsPlacementAndRouterRestart) {
-  ClusterOptions o = Options(1, 0);
+  ClusterOptions o = TinyCluster(1, 0);
   o.experts = 0;
   // Start with no expert nodes: the attention node loads but must not serve.
   auto cluster = LocalCluster::Start(o, absl::Seconds(2));
@@ -233,7 +219,7 @@ TEST(Cluster, ServesAnMkmodelK3Model) {
   const std::string mk = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + testing::SourceDir() +
                          "/tools/configs/tiny-k3.json --out " + dir + " --seed 3 > /dev/null";
   ASSERT_EQ(std::system(mk.c_str()), 0);
-  ClusterOptions o = Options(1, 2);
+  ClusterOptions o = TinyCluster(1, 2);
   o.model = dir;
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -264,7 +250,7 @@ TEST(Cluster, ServesAnMxfp4K3ModelInTheReleaseLayout) {
   const std::string mk = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + config + " --out " + dir +
                          " --seed 3 --experts-dtype mxfp4 --layout k3-release > /dev/null";
   ASSERT_EQ(std::system(mk.c_str()), 0);
-  ClusterOptions o = Options(1, 2);
+  ClusterOptions o = TinyCluster(1, 2);
   o.model = dir;
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -286,7 +272,7 @@ TEST(Cluster, ServesAnMxfp4K3ModelInTheReleaseLayout) {
 
 // The Python client (Debian's python3-grpcio) gets the same tokens as the C++ one.
 TEST(Cluster, PythonClient) {
-  auto cluster = LocalCluster::Start(Options(1, 1));
+  auto cluster = LocalCluster::Start(TinyCluster(1, 1));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const std::string cmd = "/usr/bin/python3 " + testing::SourceDir() + "/tools/python/k3serve_client.py --addr " +
                           (*cluster)->attention_addresses()[0] + " --prompt-ids 1,5,77,300 --max-tokens 16 --ignore-eos 2>&1";

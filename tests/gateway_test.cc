@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "tests/cluster_testing.h"
 #include "tests/load_loop.h"
 #include "tests/testing.h"
 #include "tools/client.h"
@@ -20,23 +21,14 @@
 namespace k3 {
 namespace {
 
-std::string ModelDir() { return testing::SourceDir() + "/tests/data/tiny-kimi-linear"; }
+using testing::Greedy;
+using testing::TinyCluster;
 
+// The tiny cluster behind a gateway.
 ClusterOptions Options(int attention, int experts) {
-  ClusterOptions o;
-  o.bin_dir = K3SERVE_BIN_DIR;
-  o.model = ModelDir();
-  o.attention = attention;
-  o.experts = experts;
+  ClusterOptions o = TinyCluster(attention, experts);
   o.gateway = true;
   return o;
-}
-
-SamplingParams Greedy(int n) {
-  SamplingParams p;
-  p.max_new_tokens = n;
-  p.ignore_eos = true;
-  return p;
 }
 
 double Metric(int port, const std::string& name, const std::string& filter = "") {
@@ -54,7 +46,7 @@ std::string ReadLog(const std::string& path) {
 }
 
 std::vector<testing::Prompt> GoldenPrompts() {
-  auto golden = LoadGolden(ModelDir());
+  auto golden = LoadGolden(testing::TinyModel());
   EXPECT_TRUE(golden.ok()) << golden.status();
   std::vector<testing::Prompt> out;
   if (golden.ok())

@@ -27,6 +27,7 @@
 #include "k3serve/v1/control.grpc.pb.h"
 #include "router/ucx_transport.h"
 #include "router/wire.h"
+#include "tests/cluster_testing.h"
 #include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/golden.h"
@@ -37,23 +38,8 @@ namespace k3 {
 namespace {
 namespace v1 = ::k3serve::v1;
 
-std::string Model() { return testing::SourceDir() + "/tests/data/tiny-kimi-linear"; }
-
-ClusterOptions Options(int attention, int experts) {
-  ClusterOptions o;
-  o.bin_dir = K3SERVE_BIN_DIR;
-  o.model = Model();
-  o.attention = attention;
-  o.experts = experts;
-  return o;
-}
-
-SamplingParams Greedy(int n) {
-  SamplingParams p;
-  p.max_new_tokens = n;
-  p.ignore_eos = true;
-  return p;
-}
+using testing::Greedy;
+using testing::TinyCluster;
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path);
@@ -165,7 +151,7 @@ grpc::Status WithMetadata(std::vector<std::pair<std::string, std::string>> md, C
 // Every attack of the threat model, replayed while 8 streams run: each is refused, the streams
 // see no failure, and the placement still covers both real expert nodes.
 TEST(Security, AttacksRefusedWhileEightStreamsRun) {
-  auto cluster = LocalCluster::Start(Options(1, 2));
+  auto cluster = LocalCluster::Start(TinyCluster(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   LocalCluster& c = **cluster;
   const std::string token(absl::StripAsciiWhitespace(ReadAll(c.node_token_file())));
@@ -302,7 +288,7 @@ TEST(Security, AttacksRefusedWhileEightStreamsRun) {
 // on the survivor. Requests in flight finish or fail UNAVAILABLE; every request after the
 // re-placement succeeds while the node stays stopped.
 TEST(Security, HungExpertNodeIsDroppedAndServingContinues) {
-  auto cluster = LocalCluster::Start(Options(1, 2));
+  auto cluster = LocalCluster::Start(TinyCluster(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   LocalCluster& c = **cluster;
   Load load(c.attention_addresses()[0], 8);
@@ -352,7 +338,7 @@ TEST(Security, HungExpertNodeIsDroppedAndServingContinues) {
 // Placement versions continue upward across router restarts, and an attention node ignores a
 // placement older than the one it uses (here a router started with --first-version=5).
 TEST(Security, PlacementVersionsMonotonicAcrossRouterRestarts) {
-  auto cluster = LocalCluster::Start(Options(1, 2));
+  auto cluster = LocalCluster::Start(TinyCluster(1, 2));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   LocalCluster& c = **cluster;
   const int port = c.attention_metrics_ports()[0];
@@ -403,7 +389,7 @@ absl::Duration TimeToFirstToken(InferenceClient& client, const std::vector<int32
 // --max-prompt-tokens is refused at once.
 TEST(Security, LongPromptDoesNotStarveShortStreams) {
   constexpr int kLong = 20000, kChunk = 2048, kLimit = 24000;
-  ClusterOptions o = Options(1, 2);
+  ClusterOptions o = TinyCluster(1, 2);
   o.attention_args = {absl::StrCat("--max-batch-tokens=", kChunk), absl::StrCat("--max-prompt-tokens=", kLimit)};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -494,7 +480,7 @@ TEST(Security, TlsClusterWithApiKeys) {
     std::ofstream keys(dir + "/api.keys");
     keys << "# one key a line\nk3-test-key-1\n";
   }
-  ClusterOptions o = Options(1, 2);
+  ClusterOptions o = TinyCluster(1, 2);
   o.tls = true;
   o.work_dir = dir + "/cluster";
   o.attention_args = {"--api-keys-file=" + dir + "/api.keys"};
@@ -508,7 +494,7 @@ TEST(Security, TlsClusterWithApiKeys) {
     return grpc::CreateChannel(addr, *creds);
   };
 
-  auto golden = LoadGolden(Model());
+  auto golden = LoadGolden(testing::TinyModel());
   ASSERT_TRUE(golden.ok()) << golden.status();
   InferenceClient client(tls_channel(c.ca_file()), "k3-test-key-1");
   for (size_t i = 0; i < golden->prompts.size(); ++i) {
@@ -566,7 +552,7 @@ TEST(Security, TlsClusterWithApiKeys) {
   for (const auto& [cert, key, want] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {dir + "/api.keys", c.key_file("admin"), "holds no PEM certificate"},
            {dir + "/expired.pem", dir + "/expired.key", "has expired"}}) {
-    auto bad = Process::Spawn("bad-cert", {std::string(K3SERVE_BIN_DIR) + "/k3serve-router", "--model=" + Model(),
+    auto bad = Process::Spawn("bad-cert", {std::string(K3SERVE_BIN_DIR) + "/k3serve-router", "--model=" + testing::TinyModel(),
                                            "--tls-cert=" + cert, "--tls-key=" + key, "--grpc-port=0", "--metrics-port=-1"},
                               dir + "/bad-cert.log");
     ASSERT_TRUE(bad.ok());
