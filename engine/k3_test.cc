@@ -18,6 +18,7 @@
 #include "common/safetensors.h"
 #include "engine/model.h"
 #include "engine/tensor_names.h"
+#include "engine/model_testing.h"
 #include "tests/testing.h"
 
 namespace k3 {
@@ -26,6 +27,9 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using testing::RelDiff;
+using testing::Load;
+using testing::Ids;
+using testing::Logits;
 
 std::string ConfigFile(const std::string& name) { return testing::SourceDir() + "/tools/configs/" + name + ".json"; }
 std::string DataDir(const std::string& name) { return testing::SourceDir() + "/tests/data/" + name; }
@@ -71,34 +75,6 @@ int MkModel(const std::string& args, std::string* output) {
 void WriteModel(const std::string& config, const std::string& out, const std::string& flags = "--dtype fp32") {
   std::string output;
   ASSERT_EQ(MkModel("--config " + config + " --out " + out + " --seed 1 " + flags, &output), 0) << output;
-}
-
-std::unique_ptr<Model> Load(const std::string& dir) {
-  auto m = Model::Load(dir);
-  EXPECT_TRUE(m.ok()) << m.status();
-  return m.ok() ? std::move(*m) : nullptr;
-}
-
-std::vector<int32_t> Ids(int64_t n, uint64_t seed, int64_t vocab) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = static_cast<int32_t>(rng() % vocab);
-  return v;
-}
-
-// The logits of every position: a prefill of the first `prefill` ids, then one id per step.
-std::vector<float> Logits(const Model& m, std::span<const int32_t> ids, int64_t prefill) {
-  LocalExpertExecutor experts(m.config(), m.weights());
-  SequenceState st(m.config());
-  std::vector<float> all, out;
-  for (int64_t t = 0; t < static_cast<int64_t>(ids.size());) {
-    const int64_t n = t == 0 ? prefill : 1;
-    SeqChunk ch{&st, ids.subspan(t, n), LogitsMode::kAll};
-    EXPECT_TRUE(m.Forward({&ch, 1}, experts, &out).ok());
-    all.insert(all.end(), out.begin(), out.end());
-    t += n;
-  }
-  return all;
 }
 
 // ---- Example configs (tools/configs) ----

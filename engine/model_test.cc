@@ -5,12 +5,14 @@
 
 #include <random>
 
+#include "engine/model_testing.h"
 #include "tests/testing.h"
 
 namespace k3 {
 namespace {
 
 using testing::RelDiff;
+using testing::Ids;
 
 const Model& Tiny(const std::string& name) {
   static std::map<std::string, std::unique_ptr<Model>> models;
@@ -21,13 +23,6 @@ const Model& Tiny(const std::string& name) {
     m = std::move(*loaded);
   }
   return *m;
-}
-
-std::vector<int32_t> Ids(int64_t n, uint64_t seed, int64_t vocab) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = static_cast<int32_t>(rng() % vocab);
-  return v;
 }
 
 class ModelTest : public ::testing::TestWithParam<std::string> {};

@@ -18,6 +18,7 @@
 #include "engine/model.h"
 #include "engine/tensor_names.h"
 #include "kernels/cpu/mxfp4.h"
+#include "engine/model_testing.h"
 #include "tests/testing.h"
 
 namespace k3 {
@@ -26,6 +27,9 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using testing::RelDiff;
+using testing::Load;
+using testing::Ids;
+using testing::Logits;
 
 std::string SourcePath(const std::string& rel) { return testing::SourceDir() + "/" + rel; }
 
@@ -113,34 +117,6 @@ void WriteDequantized(const std::string& from, const fs::path& to) {
     out[base] = std::move(f);
   }
   WriteCheckpoint(to, config, out);
-}
-
-std::unique_ptr<Model> Load(const std::string& dir) {
-  auto m = Model::Load(dir);
-  EXPECT_TRUE(m.ok()) << m.status();
-  return m.ok() ? std::move(*m) : nullptr;
-}
-
-std::vector<int32_t> Ids(int64_t n, uint64_t seed, int64_t vocab) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = static_cast<int32_t>(rng() % vocab);
-  return v;
-}
-
-// The logits of every position: a prefill of the first `prefill` ids, then one id per step.
-std::vector<float> Logits(const Model& m, std::span<const int32_t> ids, int64_t prefill) {
-  LocalExpertExecutor experts(m.config(), m.weights());
-  SequenceState st(m.config());
-  std::vector<float> all, out;
-  for (int64_t t = 0; t < static_cast<int64_t>(ids.size());) {
-    const int64_t n = t == 0 ? prefill : 1;
-    SeqChunk ch{&st, ids.subspan(t, n), LogitsMode::kAll};
-    EXPECT_TRUE(m.Forward({&ch, 1}, experts, &out).ok());
-    all.insert(all.end(), out.begin(), out.end());
-    t += n;
-  }
-  return all;
 }
 
 // ---- The released config.json ----
