@@ -32,6 +32,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing.h"
 
 extern char** environ;
 
@@ -117,22 +118,6 @@ std::string MakeTempDir() {
 
 void RemoveTree(const std::string& dir) {
   if (!dir.empty()) std::system(absl::StrCat("rm -rf '", dir, "'").c_str());
-}
-
-// A loopback port nobody listens on now (a child process binds it right after).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
 }
 
 bool IsExecutable(const char* path) { return access(path, X_OK) == 0; }
@@ -572,7 +557,7 @@ class PrometheusTest : public ::testing::Test {
   void StartPrometheus(int target_port) {
     dir_ = MakeTempDir();
     ASSERT_FALSE(dir_.empty());
-    port_ = FreePort();
+    port_ = testing::FreePort();
     ASSERT_GT(port_, 0);
     const std::string config = dir_ + "/prometheus.yml";
     std::ofstream(config) << "global:\n"

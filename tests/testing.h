@@ -1,6 +1,11 @@
 // Small helpers shared by the unit tests: seeded random data and error measures.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +44,22 @@ inline double RelDiff(const std::vector<float>& a, const std::vector<float>& ref
 }
 
 // The source tree, for test data (compiled in by k3_test).
+// A loopback port nobody listens on now (a child process binds it right after).
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 inline std::string SourceDir() { return K3SERVE_SOURCE_DIR; }
 
 }  // namespace k3::testing

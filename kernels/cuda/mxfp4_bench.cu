@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/mxfp4.cuh"
+#include "kernels/cuda/zipf_counts.h"
 
 #define CHECK(expr)                                                                                  \
   do {                                                                                               \
@@ -28,6 +29,8 @@
   } while (0)
 
 namespace {
+
+using k3::cuda::ZipfCounts;
 
 template <class T>
 T* Alloc(int64_t n) {
@@ -67,27 +70,6 @@ double MedianMs(F&& f, int iters) {
   }
   std::sort(ms.begin(), ms.end());
   return ms[iters / 2];
-}
-
-// As k3serve-bench-kernels: expert e gets ∝ (e + 1)^−s of E·avg pairs, at least one each.
-std::vector<int64_t> ZipfCounts(int64_t E, int64_t avg, double s) {
-  std::vector<double> q(E);
-  for (int64_t e = 0; e < E; ++e) q[e] = std::pow(double(e + 1), -s);
-  const double qsum = std::accumulate(q.begin(), q.end(), 0.0);
-  const int64_t total = E * avg;
-  std::vector<int64_t> c(E);
-  std::vector<std::pair<double, int64_t>> rem(E);
-  int64_t used = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const double x = total * q[e] / qsum;
-    c[e] = std::max<int64_t>(1, static_cast<int64_t>(x));
-    used += c[e];
-    rem[e] = {x - std::floor(x), e};
-  }
-  std::sort(rem.begin(), rem.end(), std::greater<>());
-  for (int64_t i = 0; used < total; ++i, ++used) c[rem[i % E].second]++;
-  for (; used > total; --used) c[0]--;
-  return c;
 }
 
 }  // namespace

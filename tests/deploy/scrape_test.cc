@@ -30,6 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/http_get.h"
 #include "tools/local_cluster.h"
@@ -72,22 +73,6 @@ std::pair<int, std::string> RunTool(const std::vector<std::string>& argv, const 
   int status = 0;
   waitpid(pid, &status, 0);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, ReadFile(out)};
-}
-
-// A loopback port nobody listens on now (Prometheus binds it right after).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
 }
 
 struct Expression {
@@ -192,7 +177,7 @@ class ScrapeTest : public ::testing::Test {
   }
 
   static void StartPrometheus() {
-    prometheus_port_ = FreePort();
+    prometheus_port_ = testing::FreePort();
     ASSERT_GT(prometheus_port_, 0);
     std::vector<std::string> args = {kPrometheus, "--config.file=" + *dir_ + "/prometheus.yml",
                                      "--storage.tsdb.path=" + *dir_ + "/data",
