@@ -30,34 +30,12 @@ using testing::RelDiff;
 using testing::Load;
 using testing::Ids;
 using testing::Logits;
+using testing::ReadText;
+using testing::Scratch;
+using testing::WriteText;
 
 std::string ConfigFile(const std::string& name) { return testing::SourceDir() + "/tools/configs/" + name + ".json"; }
 std::string DataDir(const std::string& name) { return testing::SourceDir() + "/tests/data/" + name; }
-
-std::string ReadText(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void WriteText(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::trunc) << text; }
-
-// A fresh scratch directory, removed when the object goes.
-class Scratch {
- public:
-  explicit Scratch(const std::string& name)
-      : dir_(fs::temp_directory_path() / ("k3_k3test_" + std::to_string(::getpid()) + "_" + name)) {
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~Scratch() { fs::remove_all(dir_); }
-  fs::path operator/(const std::string& sub) const { return dir_ / sub; }
-  std::string str() const { return dir_.string(); }
-
- private:
-  fs::path dir_;
-};
 
 // Runs k3serve-mkmodel with `args`; returns its exit code, its output in *output.
 int MkModel(const std::string& args, std::string* output) {

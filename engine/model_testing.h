@@ -1,12 +1,17 @@
-// Helpers of the engine's model tests: loading a checkpoint, random ids, logits step by step.
+// Helpers of the engine's model tests: loading a checkpoint, random ids, logits step by step,
+// scratch directories and text files.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -42,5 +47,32 @@ inline std::vector<float> Logits(const Model& m, std::span<const int32_t> ids, i
   }
   return all;
 }
+
+inline std::string ReadText(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline void WriteText(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream(path, std::ios::trunc) << text;
+}
+
+// A fresh scratch directory of this process, removed when the object goes.
+class Scratch {
+ public:
+  explicit Scratch(const std::string& name)
+      : dir_(std::filesystem::temp_directory_path() / ("k3_test_" + std::to_string(::getpid()) + "_" + name)) {
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  ~Scratch() { std::filesystem::remove_all(dir_); }
+  std::filesystem::path operator/(const std::string& sub) const { return dir_ / sub; }
+  std::string str() const { return dir_.string(); }
+
+ private:
+  std::filesystem::path dir_;
+};
 
 }  // namespace k3::testing

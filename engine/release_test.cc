@@ -30,31 +30,11 @@ using testing::RelDiff;
 using testing::Load;
 using testing::Ids;
 using testing::Logits;
+using testing::ReadText;
+using testing::Scratch;
+using testing::WriteText;
 
 std::string SourcePath(const std::string& rel) { return testing::SourceDir() + "/" + rel; }
-
-std::string ReadText(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-void WriteText(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::trunc) << text; }
-
-class Scratch {
- public:
-  explicit Scratch(const std::string& name)
-      : dir_(fs::temp_directory_path() / ("k3_release_" + std::to_string(::getpid()) + "_" + name)) {
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~Scratch() { fs::remove_all(dir_); }
-  fs::path operator/(const std::string& sub) const { return dir_ / sub; }
-  std::string str() const { return dir_.string(); }
-
- private:
-  fs::path dir_;
-};
 
 void MkModel(const std::string& config, const std::string& out, const std::string& flags) {
   const std::string cmd = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + config + " --out " + out +
