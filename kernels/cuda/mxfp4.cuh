@@ -37,6 +37,10 @@ struct Mxfp4ExpertsArgs {
   int64_t top_k = 0;
   int64_t num_experts = 0;  // E ≤ 8192
   const __nv_bfloat16* x = nullptr;  // [N, D]
+  // Split x (kernels/cuda/split.cuh: x ≈ hi + lo, the GPU engine's activations): the lo plane at x + x_lo. Then h
+  // and each expert's output keep both planes too and the sum goes to out_f32, as MoeExpertsArgs::x_lo does.
+  // 0: plain bf16 x, bf16 out.
+  int64_t x_lo = 0;
   const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1: not routed here
   const float* w = nullptr;          // [N, k]
   // Device arrays of E device pointers, in fragment order (null where an expert is not held: its
@@ -50,7 +54,9 @@ struct Mxfp4ExpertsArgs {
   GluAct act = GluAct::kSilu;
   float situ_beta = 4.0f;
   float situ_linear_beta = 25.0f;
-  __nv_bfloat16* out = nullptr;  // [N, D]
+  __nv_bfloat16* out = nullptr;    // [N, D]
+  float* out_f32 = nullptr;        // [N, D], instead of out with a split x
+  int32_t* experts_hit = nullptr;  // optional, device scalar: the experts that received a pair
 };
 
 // Scratch for up to max_pairs = N·k pairs. Not thread-safe.
