@@ -6,6 +6,7 @@
 //   k3serve-bench-e2e --model DIR [--batch 64] [--prompt 512] [--steps 32] [--anchor hf.json] [--json out.json]
 //   k3serve-bench-e2e --config config.json [--seed 1] ...     (random weights drawn on the device)
 //   k3serve-bench-e2e --config tools/configs/k3-mini.json --share-experts   (175 GB of experts in 59)
+//   k3serve-bench-e2e --config tools/configs/k3-mini.json --experts-dtype mxfp4   (its 47 GB of MXFP4 experts whole)
 // --profile adds the device time of each stage of a decode step. Decode is timed with overlapped steps
 // (CudaModel::NextGreedy) and with the host in the loop (ForwardGreedy a step); --overlap=false: the latter alone.
 #include <cuda_profiler_api.h>
@@ -35,6 +36,9 @@ ABSL_FLAG(uint64_t, seed, 1, "seed of the random weights (--config)");
 ABSL_FLAG(bool, share_experts, false,
           "every MoE layer uses the first one's routed experts (models larger than the GPU, e.g. k3-mini; see "
           "CudaModelOptions::share_routed_experts)");
+ABSL_FLAG(std::string, experts_dtype, "",
+          "mxfp4: the routed experts of --config in MXFP4 (as the released checkpoint stores them); the weight-streaming "
+          "limit then counts their MXFP4 bytes");
 ABSL_FLAG(bool, graphs, true, "decode steps as CUDA graphs (CudaModelOptions::cuda_graphs)");
 ABSL_FLAG(bool, profile, false, "print the device time of each stage of a decode step");
 ABSL_FLAG(int, batch, 64, "sequences decoding together");
@@ -120,6 +124,14 @@ int Run() {
     text << in.rdbuf();
     auto config = ParseModelConfig(text.str(), config_path);
     if (!config.ok()) return Fail(config.status()), 1;
+    const std::string dtype = absl::GetFlag(FLAGS_experts_dtype);
+    if (dtype == "mxfp4") {
+      for (int64_t w : {config->expert_width(), config->moe_intermediate_size})
+        if (w % 32 != 0) return Fail(absl::InvalidArgumentError("--experts-dtype mxfp4: expert widths must be multiples of 32")), 1;
+      config->expert_format = ExpertFormat::kMxfp4;
+    } else if (!dtype.empty() && dtype != "bf16") {
+      return Fail(absl::InvalidArgumentError("--experts-dtype must be bf16 or mxfp4, got \"" + dtype + "\"")), 1;
+    }
     loaded = cuda::CudaModel::CreateRandom(*config, absl::GetFlag(FLAGS_seed), opt);
   }
   if (!loaded.ok()) {
@@ -129,10 +141,11 @@ int Run() {
   cuda::CudaModel& model = **loaded;
   const ModelConfig& c = model.config();
   std::printf("model %s: d %ld, %ld layers (KDA %d, MLA %d), %ld experts top-%ld of width %ld, vocab %ld; "
-              "%.2f GB of weights%s (loaded in %.1f s)\n",
+              "%.2f GB of weights%s%s (loaded in %.1f s)\n",
               dir.c_str(), long(c.hidden_size), long(c.num_layers), c.num_kda_layers(), c.num_mla_layers(),
               long(c.num_experts), long(c.top_k), long(c.moe_intermediate_size), long(c.vocab_size),
-              model.weight_bytes() * 1e-9, opt.share_routed_experts ? " (MoE layers share one bank of experts)" : "",
+              model.weight_bytes() * 1e-9, c.expert_format == ExpertFormat::kMxfp4 ? ", routed experts in MXFP4" : "",
+              opt.share_routed_experts ? " (MoE layers share one bank of experts)" : "",
               std::chrono::duration<double>(Clock::now() - t_load).count());
 
   // Prefill: random prompts, as many sequences per forward as the token budget takes.

@@ -24,6 +24,7 @@
 #include "kernels/cuda/lm_head.cuh"
 #include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/moe.cuh"
+#include "kernels/cuda/mxfp4.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/sampling.cuh"
 
@@ -58,10 +59,17 @@ struct GluW {
   int64_t I = 0;
 };
 // One layer's routed experts: device arrays of E pointers to each expert's W1 and W3 together in the tiled gate/up
-// kernel's packed layout (MoeExpertsArgs::packed), and to its W2 [ℓ, I].
+// kernel's packed layout (MoeExpertsArgs::packed), and to its W2 [ℓ, I]; or, for MXFP4 experts, to each matrix's
+// codes and scales in the MXFP4 kernels' fragment order (Mxfp4ToFragments).
 struct RoutedExperts {
   const bf16* const* gate_up = nullptr;
   const bf16* const* down = nullptr;
+  const uint8_t* const* q1 = nullptr;
+  const uint8_t* const* s1 = nullptr;
+  const uint8_t* const* q3 = nullptr;
+  const uint8_t* const* s3 = nullptr;
+  const uint8_t* const* q2 = nullptr;
+  const uint8_t* const* s2 = nullptr;
 };
 struct MoeW {
   bf16* router = nullptr;
@@ -85,7 +93,8 @@ GluAct Act(const ModelConfig& c) { return c.act == Activation::kSitu ? GluAct::k
 }  // namespace
 
 // The routed experts of every MoE layer in this process: kernels/cuda/moe.cuh (the expert node's kernels) on
-// the split rows, its tiled path with h and the expert outputs in two planes, the sum in fp32.
+// the split rows, its tiled path with h and the expert outputs in two planes, the sum in fp32; MXFP4 experts through
+// kernels/cuda/mxfp4.cuh the same way.
 class LocalCudaExperts : public CudaExpertExecutor {
  public:
   absl::Status Run(const CudaExpertRequest& r, float* out, cudaStream_t stream) override {
@@ -93,6 +102,16 @@ class LocalCudaExperts : public CudaExpertExecutor {
     if (r.width != config->expert_width() || r.top_k != config->top_k || r.x.ld != r.width || r.rows > max_rows)
       return absl::InvalidArgumentError(absl::StrCat("expert request shape (rows ", r.rows, ", width ", r.width,
                                                      ", k ", r.top_k, ") does not match layer ", r.layer));
+    if (config->expert_format == ExpertFormat::kMxfp4) {
+      Mxfp4ExpertsArgs a;
+      a.N = r.rows, a.D = r.width, a.I = config->moe_intermediate_size, a.top_k = r.top_k;
+      a.num_experts = config->num_experts, a.x = r.x.p, a.x_lo = r.x.lo, a.idx = r.idx, a.w = r.w;
+      a.w1 = e.q1, a.s1 = e.s1, a.w3 = e.q3, a.s3 = e.s3, a.w2 = e.q2, a.s2 = e.s2, a.act = Act(*config);
+      a.situ_beta = config->situ_beta, a.situ_linear_beta = config->situ_linear_beta;
+      a.out_f32 = out, a.experts_hit = hits + r.layer;
+      K3_CUDA_OK(Mxfp4Experts(a, mx_workspace, stream));
+      return absl::OkStatus();
+    }
     MoeExpertsArgs a;
     a.N = r.rows, a.D = r.width, a.I = config->moe_intermediate_size, a.top_k = r.top_k;
     a.num_experts = config->num_experts, a.x = r.x.p, a.x_lo = r.x.lo, a.idx = r.idx, a.w = r.w;
@@ -105,7 +124,8 @@ class LocalCudaExperts : public CudaExpertExecutor {
 
   const ModelConfig* config = nullptr;
   const std::vector<LayerW>* layers = nullptr;
-  MoeWorkspace workspace;  // for max_rows rows
+  MoeWorkspace workspace;         // for max_rows rows (bf16 experts)
+  Mxfp4Workspace mx_workspace;    // (MXFP4 experts)
   int64_t max_rows = 0;
   int32_t* hits = nullptr;  // [layers] device: experts hit by the last request of each layer
 };
@@ -352,6 +372,9 @@ class TensorSource {
   // The tensor as bf16 / fp32 at dst (numel elements).
   virtual absl::Status Bf16(const std::string& name, __nv_bfloat16* dst) = 0;
   virtual absl::Status F32(const std::string& name, float* dst) = 0;
+  // The MXFP4 matrix "….wK.weight" [rows, cols] (its "_packed" codes and "_scale" scales) in the MXFP4 kernels'
+  // fragment order at codes (Mxfp4CodeBytes) and scales (Mxfp4ScaleBytes).
+  virtual absl::Status Mxfp4(const std::string& name, int64_t rows, int64_t cols, uint8_t* codes, uint8_t* scales) = 0;
 };
 
 namespace {
@@ -397,7 +420,29 @@ class CheckpointSource : public TensorSource {
     return absl::OkStatus();
   }
 
+  absl::Status Mxfp4(const std::string& name, int64_t rows, int64_t cols, uint8_t* codes, uint8_t* scales) override {
+    K3_ASSIGN_OR_RETURN(const TensorInfo* q, Find(name + names::kPackedSuffix));
+    K3_ASSIGN_OR_RETURN(const TensorInfo* s, Find(name + names::kScaleSuffix));
+    for (auto [t, width] : {std::pair{q, cols / 2}, std::pair{s, cols / 32}}) {
+      if (t->dtype != DType::kU8 || t->shape != std::vector<int64_t>{rows, width})
+        return absl::InvalidArgumentError(absl::StrCat(t->file, ": \"", t->name, "\" is ", DTypeName(t->dtype), " ",
+                                                       t->ShapeString(), ", expected U8 [", rows, ", ", width, "]"));
+    }
+    const auto* scale = reinterpret_cast<const uint8_t*>(s->data);
+    if (const int64_t n = rows * cols / 32; std::find(scale, scale + n, uint8_t{255}) != scale + n)
+      return absl::InvalidArgumentError(
+          absl::StrCat(s->file, ": \"", s->name, "\" holds the scale 0xFF (NaN in E8M0), which no weight can have"));
+    host_codes_.resize(Mxfp4CodeBytes(rows, cols));
+    host_scales_.resize(Mxfp4ScaleBytes(rows, cols));
+    Mxfp4ToFragments(reinterpret_cast<const uint8_t*>(q->data), scale, rows, cols, host_codes_.data(),
+                     host_scales_.data());
+    K3_CUDA_OK(cudaMemcpy(codes, host_codes_.data(), host_codes_.size(), cudaMemcpyHostToDevice));
+    K3_CUDA_OK(cudaMemcpy(scales, host_scales_.data(), host_scales_.size(), cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  }
+
  private:
+  std::vector<uint8_t> host_codes_, host_scales_;  // one matrix in fragment order, reused
   absl::StatusOr<const TensorInfo*> Find(const std::string& hub_name) {
     const std::string name = names::InLayout(hub_name, layout_);
     const TensorInfo* t = ck_.Find(name);
@@ -418,6 +463,16 @@ class RandomSource : public TensorSource {
   }
   absl::Status Bf16(const std::string& name, bf16* dst) override { return Fill(name, nullptr, dst); }
   absl::Status F32(const std::string& name, float* dst) override { return Fill(name, dst, nullptr); }
+  // Uniform codes (E2M1 values of root mean square 2.93) under one scale band: weights of about the 1/√fan_in
+  // standard deviation that the float projections get.
+  absl::Status Mxfp4(const std::string& name, int64_t rows, int64_t cols, uint8_t* codes, uint8_t* scales) override {
+    const uint64_t seed = seed_ ^ std::hash<std::string>{}(name);
+    const int s = 127 + static_cast<int>(std::lround(std::log2(1.0 / (2.93 * std::sqrt(double(cols))))));
+    K3_CUDA_OK(FillRandomBytes(Mxfp4CodeBytes(rows, cols), 0, 255, seed, codes, nullptr));
+    K3_CUDA_OK(FillRandomBytes(Mxfp4ScaleBytes(rows, cols), static_cast<uint8_t>(s - 1), static_cast<uint8_t>(s),
+                               seed ^ 1, scales, nullptr));
+    return absl::OkStatus();
+  }
 
  private:
   absl::Status Fill(const std::string& name, float* f32, bf16* b16) {
@@ -446,7 +501,7 @@ class RandomSource : public TensorSource {
       case TensorRole::kAttnResQuery: b = 0.25f / std::sqrt(fan_in); break;
       case TensorRole::kMxfp4Packed:
       case TensorRole::kMxfp4Scale:
-        return absl::UnimplementedError(absl::StrCat("\"", name, "\": the GPU model does not run MXFP4 experts yet"));
+        return absl::InternalError(absl::StrCat("\"", name, "\" is half of an MXFP4 matrix (TensorSource::Mxfp4)"));
     }
     K3_CUDA_OK(FillRandom(n, kind, a, b, seed_ ^ std::hash<std::string>{}(name), f32, b16, nullptr));
     return absl::OkStatus();
@@ -617,10 +672,37 @@ absl::Status CudaModel::Impl::Upload(TensorSource& up) {
         K3_RETURN_IF_ERROR(up.F32(layer(l, n::kLatentNorm), e.latent_norm));
       }
     }
-    expert_bytes = 3 * I * X * 2;
+    const bool mx = c.expert_format == ExpertFormat::kMxfp4;
+    const int64_t mx13 = Mxfp4CodeBytes(I, X) + Mxfp4ScaleBytes(I, X), mx2 = Mxfp4CodeBytes(X, I) + Mxfp4ScaleBytes(X, I);
+    expert_bytes = mx ? 2 * mx13 + mx2 : 3 * I * X * 2;
     if (!opt.routed_experts) continue;
-    if (opt.share_routed_experts && shared_experts.gate_up) {
+    if (opt.share_routed_experts && (shared_experts.gate_up || shared_experts.q1)) {
       e.experts = shared_experts;
+      continue;
+    }
+    if (mx) {
+      // Each expert's W1, W3, W2 as codes then scales, 4.25 bits a weight, as the kernels stream them.
+      const int64_t before = allocated;
+      K3_ASSIGN_OR_RETURN(uint8_t * bytes, Alloc<uint8_t>(E * expert_bytes));
+      std::vector<const uint8_t*> ptrs(6 * E);  // q1, s1, q3, s3, q2, s2: E each
+      for (int64_t x = 0; x < E; ++x) {
+        uint8_t* p = bytes + x * expert_bytes;
+        const std::pair<const char*, std::pair<int64_t, int64_t>> mats[3] = {
+            {n::kExpertW1, {I, X}}, {n::kExpertW3, {I, X}}, {n::kExpertW2, {X, I}}};
+        for (int j = 0; j < 3; ++j) {
+          const auto [rows, cols] = mats[j].second;
+          uint8_t *q = p, *sc = p + Mxfp4CodeBytes(rows, cols);
+          K3_RETURN_IF_ERROR(up.Mxfp4(n::Expert(l, x, mats[j].first), rows, cols, q, sc));
+          ptrs[(2 * j) * E + x] = q, ptrs[(2 * j + 1) * E + x] = sc;
+          p = sc + Mxfp4ScaleBytes(rows, cols);
+        }
+      }
+      K3_ASSIGN_OR_RETURN(const uint8_t** dp, Alloc<const uint8_t*>(6 * E));
+      K3_CUDA_OK(cudaMemcpy(dp, ptrs.data(), 6 * E * sizeof(uint8_t*), cudaMemcpyHostToDevice));
+      e.experts.q1 = dp, e.experts.s1 = dp + E, e.experts.q3 = dp + 2 * E, e.experts.s3 = dp + 3 * E;
+      e.experts.q2 = dp + 4 * E, e.experts.s2 = dp + 5 * E;
+      shared_experts = e.experts;
+      routed += allocated - before;
       continue;
     }
     // W1 and W3 of each expert through a staging buffer into the tiled gate/up kernel's packed layout
@@ -717,7 +799,11 @@ absl::Status CudaModel::Impl::AllocWork() {
       K3_ASSIGN_OR_RETURN(z, AllocSplit(N, X));
       K3_ASSIGN_OR_RETURN(zn, AllocSplit(N, X));
     }
-    K3_CUDA_OK(local_experts.workspace.Reserve(N * k, X, c.moe_intermediate_size, E));
+    if (c.expert_format == ExpertFormat::kMxfp4) {
+      K3_CUDA_OK(local_experts.mx_workspace.Reserve(N * k, X, c.moe_intermediate_size, E));
+    } else {
+      K3_CUDA_OK(local_experts.workspace.Reserve(N * k, X, c.moe_intermediate_size, E));
+    }
     local_experts.max_rows = N;
   }
   // The dense products: a workspace for chunks of up to 256 rows of the widest one, and for MLA's per-head products
@@ -1223,9 +1309,6 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& 
   if (config.has_layer_kind(Mixer::kKda) && config.conv_kernel > kKdaConvMaxK)
     return absl::UnimplementedError(
         absl::StrCat("short_conv_kernel_size ", config.conv_kernel, " (the GPU conv takes ≤ ", kKdaConvMaxK, ")"));
-  if (config.expert_format == ExpertFormat::kMxfp4 && options.routed_experts)
-    return absl::UnimplementedError("MXFP4 routed experts in the GPU model (run them on expert nodes: "
-                                    "k3serve-expert --device cuda, with CudaModelOptions::routed_experts off)");
   if (config.num_experts > 1024)
     return absl::UnimplementedError(
         absl::StrCat("num_experts ", config.num_experts, " (the GPU router takes ≤ 1024)"));
@@ -1381,6 +1464,8 @@ int64_t CudaModel::weight_bytes() const {
     if (m.c.mlp[l] == Mlp::kMoe) experts += m.c.num_experts * m.expert_bytes;
   return m.weight_bytes + experts;
 }
+
+int64_t CudaModel::expert_bytes() const { return impl_->expert_bytes; }
 
 absl::StatusOr<int64_t> CudaModel::LastForwardWeightBytes() const {
   const Impl& m = *impl_;

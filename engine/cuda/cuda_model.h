@@ -109,8 +109,9 @@ class CudaModel {
   // requests of up to max_batch_tokens rows on this model's device; null when they are not loaded.
   CudaExpertExecutor* local_experts();
 
-  // Bytes of weights held on the device.
+  // Bytes of weights held on the device, and of one routed expert among them (bf16, or MXFP4's codes and scales).
   int64_t weight_bytes() const;
+  int64_t expert_bytes() const;
   // Bytes of weights the last forward had to read: all but the embedding table (its gathered rows aside),
   // with the routed experts it hit (in-process experts only).
   absl::StatusOr<int64_t> LastForwardWeightBytes() const;

@@ -79,7 +79,22 @@ __global__ void FillRandomKernel(int64_t n, RandomKind kind, float a, float b, u
   }
 }
 
+__global__ void FillRandomBytesKernel(int64_t n, uint32_t lo, uint32_t span, uint64_t seed, uint8_t* dst) {
+  PdlEnter();
+  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (i >= n) return;
+  dst[i] = static_cast<uint8_t>(lo + SplitMix(seed ^ SplitMix(static_cast<uint64_t>(i))) % span);
+}
+
 }  // namespace
+
+cudaError_t FillRandomBytes(int64_t n, uint8_t lo, uint8_t hi, uint64_t seed, uint8_t* dst, cudaStream_t stream) {
+  if (n < 0 || hi < lo || (n > 0 && dst == nullptr)) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  K3_CUDA_TRY(LaunchKernel(FillRandomBytesKernel, Blocks(n), kThreads, 0, stream, n, uint32_t{lo},
+                           uint32_t{hi} - lo + 1, seed, dst));
+  return cudaGetLastError();
+}
 
 cudaError_t FillRandom(int64_t n, RandomKind kind, float a, float b, uint64_t seed, float* f32, __nv_bfloat16* bf16,
                        cudaStream_t stream) {

@@ -31,5 +31,7 @@ enum class RandomKind {
 };
 cudaError_t FillRandom(int64_t n, RandomKind kind, float a, float b, uint64_t seed, float* f32, __nv_bfloat16* bf16,
                        cudaStream_t stream);  // writes f32 or bf16 (the other null)
+// Bytes uniform in [lo, hi]: random MXFP4 codes (any byte) and scales (a band of E8M0 exponents).
+cudaError_t FillRandomBytes(int64_t n, uint8_t lo, uint8_t hi, uint64_t seed, uint8_t* dst, cudaStream_t stream);
 
 }  // namespace k3::cuda
