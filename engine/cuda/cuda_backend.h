@@ -28,16 +28,25 @@ class CudaBackend : public Backend {
 // Routed experts reached through a host ExpertExecutor: the rows, ids and weights come to the host,
 // go through the executor (UCX to expert nodes in the attention service), and the partial sums go
 // back to the device. Synchronous on the stream.
+// The copies go through pinned staging buffers (grown on demand, never per call), one strided copy a plane.
 class HostExpertBridge : public CudaExpertExecutor {
  public:
   explicit HostExpertBridge(ExpertExecutor& host) : host_(host) {}
+  ~HostExpertBridge() override;
+  HostExpertBridge(const HostExpertBridge&) = delete;
+  HostExpertBridge& operator=(const HostExpertBridge&) = delete;
   absl::Status Run(const CudaExpertRequest& request, float* out, cudaStream_t stream) override;
 
  private:
+  absl::Status Reserve(int64_t rows, int64_t width, int64_t top_k);
+
   ExpertExecutor& host_;
-  std::vector<uint16_t> hi_, lo_;
-  std::vector<float> x_, w_, sums_;
-  std::vector<int32_t> idx_;
+  int64_t rows_ = 0, width_ = 0, top_k_ = 0;  // staging capacity
+  // Pinned: hi and lo planes [rows, width]; idx and w [rows, top_k]; sums [rows, width].
+  uint16_t *hi_ = nullptr, *lo_ = nullptr;
+  int32_t* idx_ = nullptr;
+  float *w_ = nullptr, *sums_ = nullptr;
+  std::vector<float> x_;
 };
 
 }  // namespace k3::cuda
