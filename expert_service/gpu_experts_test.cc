@@ -7,15 +7,14 @@
 
 #include "engine/model.h"
 #include "kernels/cuda/testing.cuh"
+#include "tests/mxfp4_testing.h"
 #include "tests/testing.h"
 
 namespace k3 {
 namespace {
 
-TEST(GpuExperts, MatchCpuExpertsOnTheirSlots) {
-  REQUIRE_GPU();
-  // bf16 weights: the GPU holds them exactly, so only activations round.
-  const std::string dir = testing::SourceDir() + "/tests/data/tiny-kimi-linear-bf16";
+// bf16 weights, and MXFP4 ones: the GPU holds both exactly, so only activations round.
+void ExpectMatchOnTheirSlots(const std::string& dir) {
   auto model = Model::Load(dir);
   ASSERT_TRUE(model.ok()) << model.status();
   const ModelConfig& c = (*model)->config();
@@ -47,6 +46,17 @@ TEST(GpuExperts, MatchCpuExpertsOnTheirSlots) {
   std::vector<int32_t> idx(k, 1);
   EXPECT_EQ((*gpu)->Run({1, 1, X, k, x.data(), idx.data(), w.data()}, out.data()).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(GpuExperts, MatchCpuExpertsOnTheirSlots) {
+  REQUIRE_GPU();
+  ExpectMatchOnTheirSlots(testing::SourceDir() + "/tests/data/tiny-kimi-linear-bf16");
+}
+
+TEST(GpuExperts, Mxfp4MatchCpuExpertsOnTheirSlots) {
+  REQUIRE_GPU();
+  ExpectMatchOnTheirSlots(
+      testing::QuantizeExperts("k3_gpu_experts_mx", testing::SourceDir() + "/tests/data/tiny-kimi-linear-bf16", 64));
 }
 
 }  // namespace
