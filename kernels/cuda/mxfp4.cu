@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/split.cuh"
 
 namespace k3::cuda {
 
@@ -39,8 +40,8 @@ void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows,
 struct Mxfp4Workspace::Buffers {
   int64_t max_pairs = 0, D = 0, I = 0, E = 0;
   int32_t *counts = nullptr, *offsets = nullptr, *slot_pair = nullptr, *pair_slot = nullptr;
-  bf16* h = nullptr;  // [P, I]
-  bf16* y = nullptr;  // [P, D]
+  bf16* h = nullptr;  // [2, P, I]: hi plane, then (split x) the lo plane
+  bf16* y = nullptr;  // [2, P, D]
   void Free() {
     for (void* p : {static_cast<void*>(counts), static_cast<void*>(offsets), static_cast<void*>(slot_pair),
                     static_cast<void*>(pair_slot), static_cast<void*>(h), static_cast<void*>(y)})
@@ -64,8 +65,8 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
   if ((e = cudaMalloc(&b.offsets, (b.E + 1) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.slot_pair, P * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.pair_slot, P * 4)) != cudaSuccess) return e;
-  if ((e = cudaMalloc(&b.h, P * b.I * 2)) != cudaSuccess) return e;
-  return cudaMalloc(&b.y, P * b.D * 2);
+  if ((e = cudaMalloc(&b.h, 2 * P * b.I * 2)) != cudaSuccess) return e;
+  return cudaMalloc(&b.y, 2 * P * b.D * 2);
 }
 
 namespace {
@@ -82,7 +83,9 @@ struct KernelArgs {
   const int32_t* slot_pair = nullptr;
   int top_k = 1;
   const bf16* x = nullptr;  // gate/up: tokens' rows (slot_pair / top_k); down: h, one row per slot
+  int64_t x_lo = 0;         // split x: the lo plane at x + x_lo (even); 0: plain bf16
   bf16* out = nullptr;      // [P, rows], one row per slot
+  int64_t out_lo = 0;       // split out: the lo plane at out + out_lo; 0: plain bf16
   GluAct act = GluAct::kSilu;
   float b1 = 0, b2 = 0;
 };
@@ -118,8 +121,9 @@ __device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], 
   a1[0] = Dq<0>(q.y, y4, lo), a1[1] = Dq<1>(q.y, y4, hi), a1[2] = Dq<2>(q.y, y4, lo), a1[3] = Dq<3>(q.y, y4, hi);
 }
 
-// A warp: 16 weight rows of expert blockIdx.y against its tokens, NT n-tiles (8·NT tokens) per pass.
-template <int NT, bool kGlu>
+// A warp: 16 weight rows of expert blockIdx.y against its tokens, NT n-tiles (8·NT tokens) per pass. A split x
+// runs its hi and lo planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
+template <int NT, bool kGlu, bool kSplit>
 __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t r16 = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -153,15 +157,28 @@ __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;  // k 2t.., 2t+8.., 2t+16.., 2t+24.. of token g
+        uint32_t l0 = 0, l1 = 0, l2 = 0, l3 = 0;  // the same of its lo plane
         if (xr[nt] != nullptr) {
           const uint32_t* p = xr[nt] + kb * 16;
           x0 = p[0], x1 = p[4], x2 = p[8], x3 = p[12];
+          if (kSplit) {
+            const uint32_t* q = p + a.x_lo / 2;
+            l0 = q[0], l1 = q[4], l2 = q[8], l3 = q[12];
+          }
         }
         ptx::Mma(ca[nt], A0, x0, x1);
         ptx::Mma(ca[nt], A1, x2, x3);
+        if (kSplit) {
+          ptx::Mma(ca[nt], A0, l0, l1);
+          ptx::Mma(ca[nt], A1, l2, l3);
+        }
         if (kGlu) {
           ptx::Mma(cb[nt], B0, x0, x1);
           ptx::Mma(cb[nt], B1, x2, x3);
+          if (kSplit) {
+            ptx::Mma(cb[nt], B0, l0, l1);
+            ptx::Mma(cb[nt], B1, l2, l3);
+          }
         }
       }
     }
@@ -173,27 +190,38 @@ __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
         if (tk >= m) continue;
         const int64_t row = r16 * 16 + g + 8 * (i >> 1);
         const float v = kGlu ? Glu(a.act, ca[nt][i], cb[nt][i], a.b1, a.b2) : ca[nt][i];
-        a.out[static_cast<int64_t>(begin + tk) * a.rows + row] = __float2bfloat16(v);
+        StoreSplit(a.out + static_cast<int64_t>(begin + tk) * a.rows + row, kSplit ? a.out_lo : 0, v);
       }
     }
   }
 }
 
-// out[n] = Σ_j w[n, j] · y[slot of pair (n, j)], in pair order.
+// out[n] = Σ_j w[n, j] · y[slot of pair (n, j)], in pair order: bf16 out, or fp32 out_f32 from a split y (the lo
+// plane at y + y_lo). Block 0 also counts the experts hit (counts > 0).
 __global__ void CombineKernel(int64_t D, int top_k, const int32_t* pair_slot, const float* w, const bf16* y,
-                              bf16* out) {
+                              int64_t y_lo, bf16* out, float* out_f32, int E, const int32_t* counts,
+                              int32_t* experts_hit) {
   const int64_t n = blockIdx.x;
   for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
     float acc = 0.0f;
     for (int j = 0; j < top_k; ++j) {
       const int32_t s = pair_slot[n * top_k + j];
-      if (s >= 0) acc += w[n * top_k + j] * __bfloat162float(y[s * D + c]);
+      if (s >= 0) acc += w[n * top_k + j] * LoadSplit(y + s * D + c, y_lo);
     }
-    out[n * D + c] = __float2bfloat16(acc);
+    if (out_f32 != nullptr) {
+      out_f32[n * D + c] = acc;
+    } else {
+      out[n * D + c] = __float2bfloat16(acc);
+    }
+  }
+  if (experts_hit != nullptr && n == 0) {
+    int hit = 0;
+    for (int e0 = 0; e0 < E; e0 += blockDim.x) hit += __syncthreads_count(e0 + threadIdx.x < E && counts[e0 + threadIdx.x] > 0);
+    if (threadIdx.x == 0) *experts_hit = hit;
   }
 }
 
-template <bool kGlu>
+template <bool kGlu, bool kSplit>
 cudaError_t Launch(const KernelArgs& k, int64_t num_experts, int64_t avg_pairs, cudaStream_t stream) {
   // Decode (a few tokens per expert): one n-tile keeps registers low and many warps streaming; more tokens
   // per pass reuse each dequantized fragment more often. Up to kPassSplit CTAs share an expert's passes.
@@ -203,13 +231,13 @@ cudaError_t Launch(const KernelArgs& k, int64_t num_experts, int64_t avg_pairs, 
   const dim3 grid(static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps), static_cast<unsigned>(num_experts),
                   static_cast<unsigned>(std::min(passes, kPassSplit)));
   if (nt == 1) {
-    Mxfp4Kernel<1, kGlu><<<grid, kWarps * 32, 0, stream>>>(k);
+    Mxfp4Kernel<1, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
   } else if (nt == 2) {
-    Mxfp4Kernel<2, kGlu><<<grid, kWarps * 32, 0, stream>>>(k);
+    Mxfp4Kernel<2, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
   } else if (nt == 4) {
-    Mxfp4Kernel<4, kGlu><<<grid, kWarps * 32, 0, stream>>>(k);
+    Mxfp4Kernel<4, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
   } else {
-    Mxfp4Kernel<8, kGlu><<<grid, kWarps * 32, 0, stream>>>(k);
+    Mxfp4Kernel<8, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
   }
   return cudaGetLastError();
 }
@@ -219,23 +247,32 @@ cudaError_t Launch(const KernelArgs& k, int64_t num_experts, int64_t avg_pairs, 
 cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStream_t stream) {
   Mxfp4Workspace::Buffers& b = *ws.b_;
   const int64_t P = a.N * a.top_k;
-  if (a.D % 32 != 0 || a.I % 32 != 0 || a.D <= 0 || a.I <= 0 || a.top_k <= 0 || a.num_experts <= 0 ||
-      a.num_experts > 8192)
+  const bool split = a.x_lo != 0;
+  if (a.N < 0 || a.D % 32 != 0 || a.I % 32 != 0 || a.D <= 0 || a.I <= 0 || a.top_k <= 0 || a.num_experts <= 0 ||
+      a.num_experts > 8192 || a.x_lo % 2 != 0)
     return cudaErrorInvalidValue;
   if (P > b.max_pairs || a.D > b.D || a.I > b.I || a.num_experts > b.E) return cudaErrorInvalidValue;
-  if (a.N == 0) return cudaSuccess;
+  if (a.N == 0) return a.experts_hit ? cudaMemsetAsync(a.experts_hit, 0, sizeof(int32_t), stream) : cudaSuccess;
+  if (!a.x || !a.idx || !a.w || !a.w1 || !a.s1 || !a.w3 || !a.s3 || !a.w2 || !a.s2 || (split ? !a.out_f32 : !a.out))
+    return cudaErrorInvalidValue;
   cudaError_t e = MoePermute(P, a.idx, a.num_experts, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream);
   if (e != cudaSuccess) return e;
   const int64_t avg = (P + a.num_experts - 1) / a.num_experts;
   KernelArgs k;
   k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.top_k = static_cast<int>(a.top_k);
   k.act = a.act, k.b1 = a.situ_beta, k.b2 = a.situ_linear_beta;
-  k.rows = a.I, k.K = a.D, k.wa = a.w1, k.sa = a.s1, k.wb = a.w3, k.sb = a.s3, k.x = a.x, k.out = b.h;
-  if ((e = Launch<true>(k, a.num_experts, avg, stream)) != cudaSuccess) return e;
-  k.rows = a.D, k.K = a.I, k.wa = a.w2, k.sa = a.s2, k.wb = k.sb = nullptr, k.x = b.h, k.out = b.y;
-  if ((e = Launch<false>(k, a.num_experts, avg, stream)) != cudaSuccess) return e;
-  CombineKernel<<<static_cast<unsigned>(a.N), 256, 0, stream>>>(a.D, static_cast<int>(a.top_k), b.pair_slot, a.w, b.y,
-                                                               a.out);
+  const int64_t h_lo = split ? b.max_pairs * b.I : 0, y_lo = split ? b.max_pairs * b.D : 0;
+  k.rows = a.I, k.K = a.D, k.wa = a.w1, k.sa = a.s1, k.wb = a.w3, k.sb = a.s3;
+  k.x = a.x, k.x_lo = a.x_lo, k.out = b.h, k.out_lo = h_lo;
+  e = split ? Launch<true, true>(k, a.num_experts, avg, stream) : Launch<true, false>(k, a.num_experts, avg, stream);
+  if (e != cudaSuccess) return e;
+  k.rows = a.D, k.K = a.I, k.wa = a.w2, k.sa = a.s2, k.wb = k.sb = nullptr;
+  k.x = b.h, k.x_lo = h_lo, k.out = b.y, k.out_lo = y_lo;
+  e = split ? Launch<false, true>(k, a.num_experts, avg, stream) : Launch<false, false>(k, a.num_experts, avg, stream);
+  if (e != cudaSuccess) return e;
+  CombineKernel<<<static_cast<unsigned>(a.N), 256, 0, stream>>>(
+      a.D, static_cast<int>(a.top_k), b.pair_slot, a.w, b.y, y_lo, split ? nullptr : a.out, split ? a.out_f32 : nullptr,
+      static_cast<int>(a.num_experts), b.counts, a.experts_hit);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,9 @@
 // The MXFP4 grouped experts against the CPU reference on the exactly dequantized weights: odd widths,
-// T = 1, empty batches, pairs routed elsewhere, experts with more tokens than one pass holds.
+// T = 1, empty batches, pairs routed elsewhere, experts with more tokens than one pass holds, plain bf16 x and
+// split x (hi + lo planes, fp32 out), Kimi-Linear and K3 latent widths.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -36,6 +38,7 @@ struct Matrix {
 
 struct Case {
   int64_t N, D, I, E, k;
+  bool split = false;    // x as split planes, out_f32
   int scale_base = 120;  // 126: scales on both sides of 2^1, the kernel's two dequantization paths
 };
 
@@ -43,7 +46,7 @@ class Mxfp4ExpertsTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   REQUIRE_GPU();
-  const auto [N, D, I, E, k, base] = GetParam();
+  const auto [N, D, I, E, k, split, base] = GetParam();
   std::mt19937 rng(static_cast<uint32_t>(N * 131 + D + I + E));
   std::vector<std::unique_ptr<Matrix>> m1, m3, m2;
   std::vector<const uint8_t*> h1, hs1, h3, hs3, h2, hs2;
@@ -59,7 +62,7 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   }
   DeviceBuffer<const uint8_t*> p1(h1), ps1(hs1), p3(h3), ps3(hs3), p2(h2), ps2(hs2);
   auto x = k3::testing::Random(N * D, 5, 1.0f);
-  const auto xb = ToBf16(x);
+  const auto xb = split ? ToSplitPlanes(x) : ToBf16(x);  // x becomes what the GPU sees
   std::vector<int32_t> idx(N * k);
   std::vector<float> w(N * k);
   for (int64_t i = 0; i < N * k; ++i) {
@@ -72,6 +75,9 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   DeviceBuffer<int32_t> didx(idx);
   DeviceBuffer<float> dw(w);
   DeviceBuffer<uint16_t> out(N * D);
+  DeviceBuffer<float> out_f32(N * D);
+  DeviceBuffer<int32_t> hit(1);
+  CUDA_OK(cudaMemset(hit.get(), 0xFF, sizeof(int32_t)));
   Mxfp4Workspace ws;
   CUDA_OK(ws.Reserve(N * k, D, I, E));
   Mxfp4ExpertsArgs a;
@@ -79,27 +85,68 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   a.x = dx.bf(), a.idx = didx.get(), a.w = dw.get();
   a.w1 = p1.get(), a.s1 = ps1.get(), a.w3 = p3.get(), a.s3 = ps3.get(), a.w2 = p2.get(), a.s2 = ps2.get();
   a.act = GluAct::kSitu;
-  a.out = out.bf();
+  a.experts_hit = hit.get();
+  if (split) {
+    a.x_lo = N * D, a.out_f32 = out_f32.get();
+  } else {
+    a.out = out.bf();
+  }
   CUDA_OK(Mxfp4Experts(a, ws, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   const auto got_bits = out.ToHost();
+  const auto got_f32 = out_f32.ToHost();
   std::vector<float> got(N * D), ref(N * D);
-  for (int64_t i = 0; i < N * D; ++i) got[i] = Bf16ToFloat(got_bits[i]);
+  for (int64_t i = 0; i < N * D; ++i) got[i] = split ? got_f32[i] : Bf16ToFloat(got_bits[i]);
   cpu::MoeExperts(N, D, I, k, x.data(), idx.data(), w.data(), E, cpu_experts.data(), {cpu::GluAct::kSitu, 4.0f, 25.0f},
                   ref.data());
-  // bf16 rounding of h and of each expert's output (2^−9 relative) is all that separates them.
-  EXPECT_LT(RelDiff(got, ref), 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E << " k=" << k
-                                     << " scales from " << base;
+  // Plain x: bf16 rounding of h and of each expert's output (2^−9 relative) is all that separates them. Split x:
+  // both keep 16 bits, and the rest is fp32 summation order.
+  EXPECT_LT(RelDiff(got, ref), split ? 1e-4 : 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E
+                                                    << " k=" << k << " split=" << split << " scales from " << base;
+  std::vector<bool> used(E, false);
+  for (int32_t e : idx)
+    if (e >= 0) used[e] = true;
+  EXPECT_EQ(hit.ToHost()[0], std::count(used.begin(), used.end(), true));
   // Reproducible run to run.
   CUDA_OK(Mxfp4Experts(a, ws, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(out.ToHost(), got_bits);
+  EXPECT_EQ(out_f32.ToHost(), got_f32);
+}
+
+// Arguments that cannot run are refused: a split x without out_f32, an odd lo offset, more pairs than reserved.
+TEST(Mxfp4ExpertsCuda, RefusesBadArguments) {
+  REQUIRE_GPU();
+  Mxfp4Workspace ws;
+  CUDA_OK(ws.Reserve(8, 64, 64, 2));
+  DeviceBuffer<uint16_t> x(2 * 4 * 64), out(4 * 64);
+  DeviceBuffer<int32_t> idx(8);
+  DeviceBuffer<float> w(8), out_f32(4 * 64);
+  DeviceBuffer<const uint8_t*> ptrs(2);
+  Mxfp4ExpertsArgs a;
+  a.N = 4, a.D = 64, a.I = 64, a.top_k = 2, a.num_experts = 2;
+  a.x = x.bf(), a.idx = idx.get(), a.w = w.get();
+  a.w1 = a.s1 = a.w3 = a.s3 = a.w2 = a.s2 = ptrs.get();
+  a.x_lo = 4 * 64, a.out = out.bf();
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // split x, no out_f32
+  a.out_f32 = out_f32.get(), a.x_lo = 257;
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // odd lo offset
+  a.x_lo = 4 * 64, a.N = 5;
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // 10 pairs, 8 reserved
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Mxfp4ExpertsTest,
                          ::testing::Values(Case{1, 32, 32, 1, 1}, Case{0, 64, 64, 4, 2}, Case{5, 96, 160, 7, 2},
                                            Case{130, 64, 96, 3, 2}, Case{37, 256, 128, 16, 4}, Case{300, 128, 224, 5, 3},
-                                           Case{3, 3584, 3072, 2, 2}, Case{21, 128, 96, 4, 2, 126}));
+                                           Case{3, 3584, 3072, 2, 2}, Case{21, 128, 96, 4, 2, false, 126},
+                                           // split x
+                                           Case{1, 32, 32, 1, 1, true}, Case{0, 64, 64, 4, 2, true},
+                                           Case{1, 3584, 3072, 3, 2, true}, Case{7, 96, 160, 7, 2, true},
+                                           Case{131, 64, 96, 3, 2, true}, Case{37, 256, 128, 16, 4, true},
+                                           Case{301, 128, 224, 5, 3, true}, Case{21, 128, 96, 4, 2, true, 126},
+                                           Case{19, 2304, 1024, 6, 8, true},  // Kimi-Linear widths, k = 8
+                                           Case{19, 2304, 1024, 6, 8},
+                                           Case{45, 3584, 3072, 3, 2, true}));  // K3 latent widths, 30 pairs on one expert
 
 }  // namespace
 }  // namespace k3::cuda
