@@ -6,9 +6,10 @@
 // Weights are uploaded in a fragment order (Mxfp4ToFragments): for every 16 rows × 32 inputs, lane l of a
 // warp reads the 8 bytes (16 codes) that its A fragments of the two k16 steps need, and 2 bytes of scales
 // (rows l/4 and l/4 + 8): one coalesced 256-byte load per warp per block, no shared-memory shuffle.
-// A warp owns 16 weight rows and runs an expert's tokens in passes of up to 64 (8 n-tiles of 8): the
-// gate/up kernel fuses the activation, h and each expert's output are rounded to bf16, and each token
-// sums its k weighted outputs in pair order (deterministic), as MoeExperts (moe.cuh) does.
+// A warp owns 16 weight rows and runs an expert's tokens in passes of 8, 16, 32 or 64 (n-tiles of 8, chosen
+// from the average pairs per expert): the gate/up kernel fuses the activation, h and each expert's output are
+// rounded to bf16 (a split x: kept as two bf16 planes), and each token sums its k weighted outputs in pair order
+// (deterministic), as MoeExperts (moe.cuh) does.
 // Reference: k3::cpu::MoeExperts on the weights dequantized by k3::cpu::DequantizeMxfp4.
 #pragma once
 
@@ -39,7 +40,7 @@ struct Mxfp4ExpertsArgs {
   const __nv_bfloat16* x = nullptr;  // [N, D]
   // Split x (kernels/cuda/split.cuh: x ≈ hi + lo, the GPU engine's activations): the lo plane at x + x_lo. Then h
   // and each expert's output keep both planes too and the sum goes to out_f32, as MoeExpertsArgs::x_lo does.
-  // 0: plain bf16 x, bf16 out.
+  // 0: plain bf16 x, bf16 out. Even.
   int64_t x_lo = 0;
   const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1: not routed here
   const float* w = nullptr;          // [N, k]
@@ -59,7 +60,8 @@ struct Mxfp4ExpertsArgs {
   int32_t* experts_hit = nullptr;  // optional, device scalar: the experts that received a pair
 };
 
-// Scratch for up to max_pairs = N·k pairs. Not thread-safe.
+// Scratch for up to max_pairs = N·k pairs: h and the expert outputs in two planes, 4·max_pairs·(D + I) bytes, and
+// the slot maps. Not thread-safe.
 class Mxfp4Workspace {
  public:
   Mxfp4Workspace();

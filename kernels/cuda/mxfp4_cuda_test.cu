@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <vector>
 
@@ -114,6 +115,43 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   EXPECT_EQ(out_f32.ToHost(), got_f32);
 }
 
+// The fragment order as the kernels read it, decoded on the host: lane l's 8 bytes of block (r16, kb) are its A
+// fragments (ptx.cuh) of the two k16 steps, a code c placed at bf16 bits 15 and 8..6 is E2M1(c)·2^−126, and the
+// block's scale s multiplies it by 2^126 · 2^(s − 127). Equal to cpu::DequantizeMxfp4 on every byte of codes and on
+// scales 0x00, 0x7F, 0xFE (runs without a GPU).
+TEST(Mxfp4Fragments, DecodeAsTheKernelsReadThem) {
+  const int64_t rows = 48, cols = 96, KB = cols / 32;
+  std::mt19937 rng(17);
+  std::vector<uint8_t> packed(rows * cols / 2), scale(rows * KB);
+  for (size_t i = 0; i < packed.size(); ++i) packed[i] = static_cast<uint8_t>(i < 256 ? i : rng());
+  const uint8_t kScales[] = {0x00, 0x7F, 0xFE, 0x70, 0x81};
+  for (size_t i = 0; i < scale.size(); ++i) scale[i] = kScales[i % 5];
+  std::vector<float> ref(rows * cols), got(rows * cols, NAN);
+  cpu::DequantizeMxfp4({packed.data(), scale.data()}, cols, 0, rows, ref.data());
+  std::vector<uint8_t> codes(Mxfp4CodeBytes(rows, cols)), scales(Mxfp4ScaleBytes(rows, cols));
+  ASSERT_EQ(codes.size(), packed.size());
+  ASSERT_EQ(scales.size(), scale.size());
+  Mxfp4ToFragments(packed.data(), scale.data(), rows, cols, codes.data(), scales.data());
+  for (int64_t r16 = 0; r16 < rows / 16; ++r16)
+    for (int64_t kb = 0; kb < KB; ++kb)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        const uint8_t* q = &codes[((r16 * KB + kb) * 32 + lane) * 8];
+        const uint8_t* sc = &scales[(r16 * KB + kb) * 16 + 2 * g];  // rows g, g + 8
+        // Byte j: register j % 4 of k16 step j / 4, row g + 8·(j % 2), inputs 2t, 2t + 1 (+ 8, + 16).
+        for (int j = 0; j < 8; ++j) {
+          const int64_t row = r16 * 16 + g + 8 * (j % 2), k = kb * 32 + 16 * (j / 4) + 8 * ((j % 4) / 2) + 2 * t;
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t c = (q[j] >> (4 * h)) & 15u;
+            const float v = Bf16ToFloat(static_cast<uint16_t>(((c & 7u) << 6) | ((c & 8u) << 12)));
+            got[row * cols + k + h] = v * std::ldexp(1.0f, 126) * std::ldexp(1.0f, sc[j % 2] - 127);
+          }
+        }
+      }
+  for (int64_t i = 0; i < rows * cols; ++i)
+    ASSERT_EQ(got[i], ref[i]) << "row " << i / cols << " col " << i % cols << " scale " << int{scale[i / 32]};
+}
+
 // Arguments that cannot run are refused: a split x without out_f32, an odd lo offset, more pairs than reserved.
 TEST(Mxfp4ExpertsCuda, RefusesBadArguments) {
   REQUIRE_GPU();
@@ -146,7 +184,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Mxfp4ExpertsTest,
                                            Case{301, 128, 224, 5, 3, true}, Case{21, 128, 96, 4, 2, true, 126},
                                            Case{19, 2304, 1024, 6, 8, true},  // Kimi-Linear widths, k = 8
                                            Case{19, 2304, 1024, 6, 8},
-                                           Case{45, 3584, 3072, 3, 2, true}));  // K3 latent widths, 30 pairs on one expert
+                                           // K3 latent widths, about 60 pairs on expert 0
+                                           Case{45, 3584, 3072, 3, 2, true}));
 
 }  // namespace
 }  // namespace k3::cuda
