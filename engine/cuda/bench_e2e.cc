@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -128,94 +129,109 @@ struct Monolithic {
 
 constexpr int kSplitSteps = 8;  // decode steps timed stage by stage after the disaggregated run's timed ones
 
-// The same prompts and decode steps as the monolithic run, with the routed experts in an expert process on this
-// GPU (IpcRemoteExperts); prints the comparison. 1 when the ids differ, 0 otherwise.
-int RunDisaggregatedIpc(const Monolithic& mono, int B, int W, int S) {
-  const int P = static_cast<int>((*mono.prompts)[0].size());
-  std::printf("\ndisaggregated over CUDA IPC: an attention-only engine here, the routed experts in an expert process "
-              "on the same GPU\n");
+// One disaggregated run: the attention-only engine decodes the monolithic run's prompts and steps with the routed
+// experts in a new expert process, then a few steps stage by stage.
+struct IpcRun {
+  double ms = 0, ms_timed = 0;
+  std::map<int64_t, cuda::IpcStageStats> stats;
+  IdTrace ids;
+};
+
+absl::StatusOr<IpcRun> DecodeOverIpc(const Monolithic& mono, cuda::CudaModel& model, bool host_waits, int B, int W,
+                                     int S) {
+  IpcRun run;
   cuda::IpcModelSpec spec;
   spec.model_dir = mono.model_dir, spec.config_json = mono.config_text, spec.seed = absl::GetFlag(FLAGS_seed);
   spec.experts_mxfp4 = mono.config->expert_format == ExpertFormat::kMxfp4 && !mono.config_text.empty();
   spec.share_routed_experts = mono.options.share_routed_experts;
   cuda::IpcOptions io;
   io.max_rows = mono.options.max_batch_tokens;
-  auto t_start = Clock::now();
-  auto experts = cuda::IpcRemoteExperts::Spawn(*mono.config, spec, io);
-  if (!experts.ok()) return Fail(experts.status()), 1;
-  std::printf("%s up in %.1f s (its own copy of the model, same seed: the same experts)\n", (*experts)->peer().c_str(),
+  io.host_waits = host_waits;
+  const auto t_start = Clock::now();
+  K3_ASSIGN_OR_RETURN(auto experts, cuda::IpcRemoteExperts::Spawn(*mono.config, spec, io));
+  std::printf("\nwaits on the %s: %s up in %.1f s (its own copy of the model, same seed: the same experts)\n",
+              host_waits ? "hosts" : "GPU", experts->peer().c_str(),
               std::chrono::duration<double>(Clock::now() - t_start).count());
-  cuda::CudaModelOptions opt = mono.options;
-  opt.routed_experts = false;
-  auto loaded = mono.config_text.empty() ? cuda::CudaModel::Load(mono.model_dir, opt)
-                                         : cuda::CudaModel::CreateRandom(*mono.config, spec.seed, opt);
-  if (!loaded.ok()) return Fail(loaded.status()), 1;
-  cuda::CudaModel& model = **loaded;
-  model.SetExpertExecutor(experts->get());
-
+  model.SetExpertExecutor(experts.get());
+  const int P = static_cast<int>((*mono.prompts)[0].size());
   std::vector<int32_t> slots(B), next(B);
   for (int s = 0; s < B; ++s) {
-    auto slot = model.AllocSlot();
-    if (!slot.ok()) return Fail(slot.status()), 1;
-    slots[s] = *slot;
+    K3_ASSIGN_OR_RETURN(slots[s], model.AllocSlot());
   }
-  IdTrace ids;
-  const int per = std::max(1, static_cast<int>(opt.max_batch_tokens / P));
+  const int per = std::max(1, static_cast<int>(mono.options.max_batch_tokens / P));
   for (int s0 = 0; s0 < B; s0 += per) {
     std::vector<cuda::GpuChunk> chunks;
     for (int s = s0; s < std::min(B, s0 + per); ++s) chunks.push_back({slots[s], (*mono.prompts)[s], LogitsMode::kLast});
     std::vector<int32_t> out;
-    if (auto st = model.ForwardGreedy(chunks, &out); !st.ok()) return Fail(st), 1;
+    K3_RETURN_IF_ERROR(model.ForwardGreedy(chunks, &out));
     std::copy(out.begin(), out.end(), next.begin() + s0);
   }
-  ids.push_back(next);
+  run.ids.push_back(next);
   auto step = [&]() -> absl::Status {
     std::vector<cuda::GpuChunk> chunks;
     for (int s = 0; s < B; ++s) chunks.push_back({slots[s], std::span<const int32_t>(&next[s], 1), LogitsMode::kLast});
     std::vector<int32_t> out;
     K3_RETURN_IF_ERROR(model.ForwardGreedy(chunks, &out));
     next = out;
-    ids.push_back(out);
+    run.ids.push_back(out);
     return absl::OkStatus();
   };
-  for (int i = 0; i < W; ++i)
-    if (auto st = step(); !st.ok()) return Fail(st), 1;
+  for (int i = 0; i < W; ++i) K3_RETURN_IF_ERROR(step());
   auto t0 = Clock::now();
-  for (int i = 0; i < S; ++i)
-    if (auto st = step(); !st.ok()) return Fail(st), 1;
-  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
+  for (int i = 0; i < S; ++i) K3_RETURN_IF_ERROR(step());
+  run.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
   // Then a few steps with events around every stage, on both sides.
   const int split_steps = std::min(kSplitSteps, S);
-  (*experts)->SetTiming(true);
+  experts->SetTiming(true);
   t0 = Clock::now();
-  for (int i = 0; i < split_steps; ++i)
-    if (auto st = step(); !st.ok()) return Fail(st), 1;
-  const double ms_timed = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / split_steps;
-  auto stats = (*experts)->TakeStats();
-  if (!stats.ok()) return Fail(stats.status()), 1;
+  for (int i = 0; i < split_steps; ++i) K3_RETURN_IF_ERROR(step());
+  run.ms_timed = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / split_steps;
+  K3_ASSIGN_OR_RETURN(run.stats, experts->TakeStats());
+  model.SetExpertExecutor(nullptr);
+  for (int32_t s : slots) K3_RETURN_IF_ERROR(model.FreeSlot(s));
 
-  std::printf("\none MoE dispatch, by stage (µs, mean of %d steps; attention GPU and host here, expert GPU and host "
-              "in the expert process; %.3f ms a step with the events on):\n", split_steps, ms_timed);
-  std::printf("| layer | pack (attn GPU) | round trip (attn host) | expert compute (expert GPU) | wait for sums (attn "
-              "GPU) | wait − compute | unpack (attn GPU) | enqueue (expert host) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("one MoE dispatch by stage (µs, mean of %d steps; attention GPU and host here, expert GPU and host in "
+              "the expert process; %.3f ms a step with the events on):\n", split_steps, run.ms_timed);
+  std::printf("| layer | pack (attn GPU) | frame round trip (attn host) | sums wait (attn host) | expert compute (expert "
+              "GPU) | rows ready → sums in (attn GPU) | that − compute | unpack (attn GPU) | frame → reply (expert "
+              "host) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   cuda::IpcStageStats all;
-  for (const auto& [layer, s] : *stats) {
-    const double n = std::max<int64_t>(1, s.dispatches) / 1e3;
-    std::printf("| %ld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", long(layer), s.pack_ms / n,
-                s.round_trip_ms / n, s.expert_ms / n, s.wait_ms / n, (s.wait_ms - s.expert_ms) / n, s.unpack_ms / n,
-                s.expert_host_ms / n);
-    all.pack_ms += s.pack_ms / split_steps, all.wait_ms += s.wait_ms / split_steps;
-    all.expert_ms += s.expert_ms / split_steps, all.unpack_ms += s.unpack_ms / split_steps;
+  for (const auto& [layer, st] : run.stats) {
+    const double n = std::max<int64_t>(1, st.dispatches) / 1e3;
+    std::printf("| %ld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", long(layer), st.pack_ms / n,
+                st.round_trip_ms / n, st.sums_host_ms / n, st.expert_ms / n, st.wait_ms / n,
+                (st.wait_ms - st.expert_ms) / n, st.unpack_ms / n, st.expert_host_ms / n);
+    all.pack_ms += st.pack_ms / split_steps, all.wait_ms += st.wait_ms / split_steps;
+    all.expert_ms += st.expert_ms / split_steps, all.unpack_ms += st.unpack_ms / split_steps;
   }
-  std::printf("per step, all MoE layers: pack %.3f ms, expert compute %.3f ms, wait %.3f ms (of which not compute "
-              "%.3f ms), unpack %.3f ms\n", all.pack_ms, all.expert_ms, all.wait_ms, all.wait_ms - all.expert_ms,
-              all.unpack_ms);
+  std::printf("a step, all MoE layers: pack %.3f ms, expert compute %.3f ms, rows ready → sums in %.3f ms (%.3f ms "
+              "more than the compute), unpack %.3f ms\n", all.pack_ms, all.expert_ms, all.wait_ms,
+              all.wait_ms - all.expert_ms, all.unpack_ms);
+  return run;
+}
 
-  // Greedy ids: the prefill's and every decode step's, against the monolithic run's same steps.
-  int64_t compared = 0, first_diff = -1;
-  for (size_t i = 0; i < ids.size() && i < mono.ids.size(); ++i, ++compared)
-    if (ids[i] != mono.ids[i] && first_diff < 0) first_diff = static_cast<int64_t>(i);
-  const bool equal = first_diff < 0 && compared == static_cast<int64_t>(ids.size());
+// Greedy ids against the monolithic run's same forwards: -1 when all equal, else the first that differs.
+int64_t FirstDifference(const IdTrace& got, const IdTrace& want) {
+  for (size_t i = 0; i < got.size(); ++i)
+    if (i >= want.size() || got[i] != want[i]) return static_cast<int64_t>(i);
+  return -1;
+}
+
+// The same prompts and decode steps as the monolithic run, with the routed experts in an expert process on this
+// GPU (IpcRemoteExperts), waits on the hosts and on the GPU; prints the comparison. 1 when ids differ.
+int RunDisaggregatedIpc(const Monolithic& mono, int B, int W, int S) {
+  const int P = static_cast<int>((*mono.prompts)[0].size());
+  std::printf("\ndisaggregated over CUDA IPC: an attention-only engine here, the routed experts in an expert process "
+              "on the same GPU\n");
+  cuda::CudaModelOptions opt = mono.options;
+  opt.routed_experts = false;
+  auto loaded = mono.config_text.empty() ? cuda::CudaModel::Load(mono.model_dir, opt)
+                                         : cuda::CudaModel::CreateRandom(*mono.config, absl::GetFlag(FLAGS_seed), opt);
+  if (!loaded.ok()) return Fail(loaded.status()), 1;
+  auto host = DecodeOverIpc(mono, **loaded, /*host_waits=*/true, B, W, S);
+  if (!host.ok()) return Fail(host.status()), 1;
+  auto gpu = DecodeOverIpc(mono, **loaded, /*host_waits=*/false, B, W, S);
+  if (!gpu.ok()) return Fail(gpu.status()), 1;
 
   auto row = [&](const char* what, double m) {
     std::printf("| %s | %.0f | %.3f | %.2f |\n", what, B / (m * 1e-3), m, mono.ms_overlap / m);
@@ -225,15 +241,22 @@ int RunDisaggregatedIpc(const Monolithic& mono, int B, int W, int S) {
   row("monolithic: overlapped steps, CUDA graphs", mono.ms_overlap);
   row("monolithic: host in the loop, CUDA graphs", mono.ms_sync);
   row("monolithic: host in the loop, no graphs (in-process experts behind the executor interface)", mono.ms_no_graphs);
-  row("attention + expert processes over CUDA IPC: host in the loop, no graphs", ms);
-  std::printf("\ndisaggregated / monolithic tok/s: %.3f (against the monolithic engine without graphs, host in the "
-              "loop: %.3f)\n", mono.ms_overlap / ms, mono.ms_no_graphs / ms);
-  if (equal)
-    std::printf("greedy ids equal to the monolithic run's: yes (%ld forwards: the prefill, %d warm-up, %d timed and %d "
-                "staged decode steps; %d sequences each)\n", long(compared), W, S, split_steps, B);
-  else
-    std::printf("greedy ids equal to the monolithic run's: NO (first difference at forward %ld of %ld)\n",
-                long(first_diff), long(compared));
+  row("attention + expert processes over CUDA IPC, waits on the hosts (host in the loop, no graphs)", host->ms);
+  row("attention + expert processes over CUDA IPC, waits on the GPU (host in the loop, no graphs)", gpu->ms);
+  std::printf("\ndisaggregated (waits on the hosts) / monolithic tok/s: %.3f (against the monolithic engine without "
+              "graphs, host in the loop: %.3f)\n", mono.ms_overlap / host->ms, mono.ms_no_graphs / host->ms);
+  bool equal = true;
+  for (const auto& [what, run] : {std::pair{"hosts", &*host}, std::pair{"GPU", &*gpu}}) {
+    const int64_t d = FirstDifference(run->ids, mono.ids);
+    equal = equal && d < 0;
+    if (d < 0)
+      std::printf("greedy ids, waits on the %s, equal to the monolithic run's: yes (%zu forwards: the prefill, %d "
+                  "warm-up, %d timed and %d staged decode steps; %d sequences each)\n", what, run->ids.size(), W, S,
+                  std::min(kSplitSteps, S), B);
+    else
+      std::printf("greedy ids, waits on the %s, equal to the monolithic run's: NO (first difference at forward %ld of "
+                  "%zu)\n", what, long(d), run->ids.size());
+  }
   return equal ? 0 : 1;
 }
 

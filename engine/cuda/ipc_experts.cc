@@ -57,8 +57,10 @@ struct Ready {
 };
 struct Dispatch {
   int64_t seq, layer, rows, width, top_k;
-  int32_t split;   // x has a lo plane
-  int32_t timing;  // record the experts' time
+  int32_t split;      // x has a lo plane
+  int32_t timing;     // record the experts' time
+  int32_t host_wait;  // wait for A on the host (IpcOptions::host_waits)
+  int32_t unused = 0;
 };
 // Expert → attention, once the dispatch is queued: code 0, or why the experts refused it (then the message).
 struct Queued {
@@ -220,7 +222,7 @@ struct IpcRemoteExperts::Impl {
   struct Timed {
     int64_t layer = 0;
     cudaEvent_t e[4] = {};
-    double round_trip_ms = 0;
+    double round_trip_ms = 0, sums_host_ms = 0;
   };
   std::vector<Timed> timed;
   size_t n_timed = 0;
@@ -394,7 +396,7 @@ absl::Status IpcRemoteExperts::Run(const CudaExpertRequest& r, float* out, cudaS
   if (t) K3_CUDA_OK(cudaEventRecord(t->e[1], stream));
   K3_CUDA_OK(cudaEventRecord(m.rows_ready, stream));
 
-  const Dispatch d{++m.seq, r.layer, r.rows, r.width, r.top_k, r.x.lo != 0, t != nullptr};
+  const Dispatch d{++m.seq, r.layer, r.rows, r.width, r.top_k, r.x.lo != 0, t != nullptr, m.opt.host_waits};
   m.payload.clear();
   Append(&m.payload, d);
   const auto t0 = Clock::now();
@@ -409,9 +411,25 @@ absl::Status IpcRemoteExperts::Run(const CudaExpertRequest& r, float* out, cudaS
     return m.Fail(absl::UnavailableError(absl::StrCat(m.channel.peer(), ": reply to dispatch ", q.seq, ", want ", d.seq)));
   if (q.code != 0)  // the experts refused this request (and queued nothing to wait for); the link is fine
     return CodeStatus(q.code, absl::StrCat(m.channel.peer(), ": ", m.payload.substr(sizeof(q), q.message_bytes)));
-  K3_CUDA_OK(cudaStreamWaitEvent(stream, m.sums_ready, 0));
+  if (m.opt.host_waits) {
+    // B was recorded before the reply; spin until the expert's GPU has passed it, watching the peer.
+    const auto end = t1 + std::chrono::microseconds(absl::ToInt64Microseconds(m.opt.dispatch_timeout));
+    for (int64_t i = 0;; ++i) {
+      const cudaError_t e = cudaEventQuery(m.sums_ready);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) K3_CUDA_OK(e);
+      if (i % 4096 == 4095) {
+        if (auto s = m.channel.CheckAlive(); !s.ok()) return m.Fail(s);
+        if (Clock::now() > end)
+          return m.Fail(absl::UnavailableError(m.channel.peer() + ": its experts did not finish in time"));
+      }
+    }
+  } else {
+    K3_CUDA_OK(cudaStreamWaitEvent(stream, m.sums_ready, 0));
+  }
   if (t) {
     t->round_trip_ms = Ms(t0, t1);
+    t->sums_host_ms = Ms(t1, Clock::now());
     K3_CUDA_OK(cudaEventRecord(t->e[2], stream));
   }
   K3_CUDA_OK(cudaMemcpyAsync(out, m.base + L.out, size_t(r.rows * r.width) * 4, cudaMemcpyDeviceToDevice, stream));
@@ -438,6 +456,7 @@ absl::StatusOr<std::map<int64_t, IpcStageStats>> IpcRemoteExperts::TakeStats() {
     IpcStageStats& s = stats[t.layer];
     ++s.dispatches;
     s.pack_ms += pack, s.wait_ms += wait, s.unpack_ms += unpack, s.round_trip_ms += t.round_trip_ms;
+    s.sums_host_ms += t.sums_host_ms;
   }
   m.n_timed = 0;
   if (auto s = m.channel.Send(Op::kStats, ""); !s.ok()) return m.Fail(s);
@@ -527,7 +546,19 @@ struct ExpertSession {
     if (d.rows <= 0 || d.rows > lay.rows || d.width != lay.width || d.top_k != lay.top_k)
       return absl::InvalidArgumentError(absl::StrCat("dispatch (rows ", d.rows, ", width ", d.width, ", k ", d.top_k,
                                                      ") outside the shared buffer (rows ≤ ", lay.rows, ")"));
-    K3_CUDA_OK(cudaStreamWaitEvent(stream, rows_ready, 0));
+    if (d.host_wait) {
+      // A was recorded before the frame was sent; spin until the attention GPU has passed it.
+      const auto end = received + std::chrono::seconds(30);
+      for (int64_t i = 0;; ++i) {
+        const cudaError_t e = cudaEventQuery(rows_ready);
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) K3_CUDA_OK(e);
+        if (i % 4096 == 4095 && Clock::now() > end)
+          return absl::DeadlineExceededError("the attention side's rows were not ready within 30 s");
+      }
+    } else {
+      K3_CUDA_OK(cudaStreamWaitEvent(stream, rows_ready, 0));
+    }
     Timed* t = nullptr;
     if (d.timing) {
       if (n_timed == timed.size()) {

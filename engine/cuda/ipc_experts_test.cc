@@ -52,11 +52,12 @@ std::unique_ptr<CudaModel> Create(bool routed_experts) {
   return m.ok() ? std::move(*m) : nullptr;
 }
 
-std::unique_ptr<IpcRemoteExperts> SpawnExperts(const ModelConfig& config) {
+std::unique_ptr<IpcRemoteExperts> SpawnExperts(const ModelConfig& config, bool host_waits = true) {
   IpcModelSpec spec;
   spec.config_json = kKimiLinearLike, spec.seed = kSeed;
   IpcOptions o;
   o.max_rows = kRows, o.setup_timeout = absl::Seconds(120), o.dispatch_timeout = absl::Seconds(5);
+  o.host_waits = host_waits;
   auto r = IpcRemoteExperts::Spawn(config, spec, o);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? std::move(*r) : nullptr;
@@ -104,38 +105,42 @@ TEST(IpcExperts, MatchesMonolithicBitForBit) {
   auto mono = Create(true);
   auto attention = Create(false);
   ASSERT_TRUE(mono && attention);
-  auto experts = SpawnExperts(attention->config());
-  ASSERT_TRUE(experts);
-  attention->SetExpertExecutor(experts.get());
-
   const Trace want = Decode(*mono, 6);
-  experts->SetTiming(true);
-  const Trace got = Decode(*attention, 6);
-  ASSERT_EQ(got.logits.size(), want.logits.size());
-  for (size_t i = 0; i < want.logits.size(); ++i) {
-    ASSERT_EQ(got.logits[i].size(), want.logits[i].size()) << "forward " << i;
-    EXPECT_EQ(0, std::memcmp(got.logits[i].data(), want.logits[i].data(), want.logits[i].size() * sizeof(float)))
-        << "logits of forward " << i << " differ";
-  }
-  EXPECT_EQ(got.ids, want.ids);
+  for (bool host_waits : {true, false}) {
+    SCOPED_TRACE(host_waits ? "waits on the hosts" : "waits on the GPU");
+    auto experts = SpawnExperts(attention->config(), host_waits);
+    ASSERT_TRUE(experts);
+    attention->SetExpertExecutor(experts.get());
+    experts->SetTiming(true);
+    const Trace got = Decode(*attention, 6);
+    ASSERT_EQ(got.logits.size(), want.logits.size());
+    for (size_t i = 0; i < want.logits.size(); ++i) {
+      ASSERT_EQ(got.logits[i].size(), want.logits[i].size()) << "forward " << i;
+      EXPECT_EQ(0, std::memcmp(got.logits[i].data(), want.logits[i].data(), want.logits[i].size() * sizeof(float)))
+          << "logits of forward " << i << " differ";
+    }
+    EXPECT_EQ(got.ids, want.ids);
 
-  // Every dispatch was timed on both sides: 1 prefill + 3 + 6 decode forwards, at each of the two MoE layers.
-  auto stats = experts->TakeStats();
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  ASSERT_EQ(stats->size(), 2u);
-  for (const auto& [layer, s] : *stats) {
-    EXPECT_EQ(s.dispatches, 10) << "layer " << layer;
-    EXPECT_GT(s.expert_ms, 0) << "layer " << layer;
-    EXPECT_GT(s.round_trip_ms, 0) << "layer " << layer;
-    EXPECT_GE(s.wait_ms, 0) << "layer " << layer;
-  }
+    // Every dispatch was timed on both sides: 1 prefill + 3 + 6 decode forwards, at each of the two MoE layers.
+    auto stats = experts->TakeStats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    ASSERT_EQ(stats->size(), 2u);
+    for (const auto& [layer, s] : *stats) {
+      EXPECT_EQ(s.dispatches, 10) << "layer " << layer;
+      EXPECT_GT(s.expert_ms, 0) << "layer " << layer;
+      EXPECT_GT(s.round_trip_ms, 0) << "layer " << layer;
+      EXPECT_GE(s.wait_ms, s.expert_ms * 0.5) << "layer " << layer;  // the attention stream saw the experts' time
+    }
 
-  // A request of another shape is refused before anything is sent; the link stays up.
-  CudaExpertRequest bad{1, 4, attention->config().expert_width() + 1, attention->config().top_k, {}, nullptr, nullptr};
-  bad.x.ld = bad.width;
-  const absl::Status refused = experts->Run(bad, nullptr, nullptr);
-  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
-  EXPECT_TRUE(experts->status().ok());
+    // A request of another shape is refused before anything is sent; the link stays up.
+    CudaExpertRequest bad{1, 4, attention->config().expert_width() + 1, attention->config().top_k, {}, nullptr,
+                          nullptr};
+    bad.x.ld = bad.width;
+    const absl::Status refused = experts->Run(bad, nullptr, nullptr);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_TRUE(experts->status().ok());
+    attention->SetExpertExecutor(nullptr);
+  }
 }
 
 TEST(IpcExperts, KilledExpertProcessIsUnavailableAndReplaced) {
