@@ -137,7 +137,16 @@ struct IpcRun {
   IdTrace ids;
 };
 
-absl::StatusOr<IpcRun> DecodeOverIpc(const Monolithic& mono, cuda::CudaModel& model, bool host_waits, int B, int W,
+// Where each side waits for the other's event (IpcOptions).
+struct IpcWaits {
+  bool attention_host = true, expert_host = true;
+  std::string Name() const {
+    return std::string("attention waits on the ") + (attention_host ? "host" : "GPU") + ", experts on the " +
+           (expert_host ? "host" : "GPU");
+  }
+};
+
+absl::StatusOr<IpcRun> DecodeOverIpc(const Monolithic& mono, cuda::CudaModel& model, IpcWaits waits, int B, int W,
                                      int S) {
   IpcRun run;
   cuda::IpcModelSpec spec;
@@ -146,11 +155,11 @@ absl::StatusOr<IpcRun> DecodeOverIpc(const Monolithic& mono, cuda::CudaModel& mo
   spec.share_routed_experts = mono.options.share_routed_experts;
   cuda::IpcOptions io;
   io.max_rows = mono.options.max_batch_tokens;
-  io.host_waits = host_waits;
+  io.attention_host_waits = waits.attention_host, io.expert_host_waits = waits.expert_host;
   const auto t_start = Clock::now();
   K3_ASSIGN_OR_RETURN(auto experts, cuda::IpcRemoteExperts::Spawn(*mono.config, spec, io));
-  std::printf("\nwaits on the %s: %s up in %.1f s (its own copy of the model, same seed: the same experts)\n",
-              host_waits ? "hosts" : "GPU", experts->peer().c_str(),
+  std::printf("\n%s: %s up in %.1f s (its own copy of the model, same seed: the same experts)\n",
+              waits.Name().c_str(), experts->peer().c_str(),
               std::chrono::duration<double>(Clock::now() - t_start).count());
   model.SetExpertExecutor(experts.get());
   const int P = static_cast<int>((*mono.prompts)[0].size());
@@ -228,34 +237,39 @@ int RunDisaggregatedIpc(const Monolithic& mono, int B, int W, int S) {
   auto loaded = mono.config_text.empty() ? cuda::CudaModel::Load(mono.model_dir, opt)
                                          : cuda::CudaModel::CreateRandom(*mono.config, absl::GetFlag(FLAGS_seed), opt);
   if (!loaded.ok()) return Fail(loaded.status()), 1;
-  auto host = DecodeOverIpc(mono, **loaded, /*host_waits=*/true, B, W, S);
-  if (!host.ok()) return Fail(host.status()), 1;
-  auto gpu = DecodeOverIpc(mono, **loaded, /*host_waits=*/false, B, W, S);
-  if (!gpu.ok()) return Fail(gpu.status()), 1;
+  // The default (both waits on the hosts) first, then the other three.
+  const IpcWaits modes[] = {{true, true}, {true, false}, {false, true}, {false, false}};
+  std::vector<IpcRun> runs;
+  for (const IpcWaits& w : modes) {
+    auto run = DecodeOverIpc(mono, **loaded, w, B, W, S);
+    if (!run.ok()) return Fail(run.status()), 1;
+    runs.push_back(std::move(*run));
+  }
 
-  auto row = [&](const char* what, double m) {
-    std::printf("| %s | %.0f | %.3f | %.2f |\n", what, B / (m * 1e-3), m, mono.ms_overlap / m);
+  auto row = [&](const std::string& what, double m) {
+    std::printf("| %s | %.0f | %.3f | %.2f |\n", what.c_str(), B / (m * 1e-3), m, mono.ms_overlap / m);
   };
   std::printf("\n| decode, batch %d after %d tokens, this run | tok/s | ms/step | tok/s / monolithic |\n"
               "|---|---:|---:|---:|\n", B, P);
   row("monolithic: overlapped steps, CUDA graphs", mono.ms_overlap);
   row("monolithic: host in the loop, CUDA graphs", mono.ms_sync);
   row("monolithic: host in the loop, no graphs (in-process experts behind the executor interface)", mono.ms_no_graphs);
-  row("attention + expert processes over CUDA IPC, waits on the hosts (host in the loop, no graphs)", host->ms);
-  row("attention + expert processes over CUDA IPC, waits on the GPU (host in the loop, no graphs)", gpu->ms);
-  std::printf("\ndisaggregated (waits on the hosts) / monolithic tok/s: %.3f (against the monolithic engine without "
-              "graphs, host in the loop: %.3f)\n", mono.ms_overlap / host->ms, mono.ms_no_graphs / host->ms);
+  for (size_t i = 0; i < runs.size(); ++i)
+    row("attention + expert processes over CUDA IPC (host in the loop, no graphs), " + modes[i].Name(), runs[i].ms);
+  std::printf("\ndisaggregated (%s) / monolithic tok/s: %.3f (against the monolithic engine without graphs, host in "
+              "the loop: %.3f)\n", modes[0].Name().c_str(), mono.ms_overlap / runs[0].ms,
+              mono.ms_no_graphs / runs[0].ms);
   bool equal = true;
-  for (const auto& [what, run] : {std::pair{"hosts", &*host}, std::pair{"GPU", &*gpu}}) {
-    const int64_t d = FirstDifference(run->ids, mono.ids);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const int64_t d = FirstDifference(runs[i].ids, mono.ids);
     equal = equal && d < 0;
     if (d < 0)
-      std::printf("greedy ids, waits on the %s, equal to the monolithic run's: yes (%zu forwards: the prefill, %d "
-                  "warm-up, %d timed and %d staged decode steps; %d sequences each)\n", what, run->ids.size(), W, S,
-                  std::min(kSplitSteps, S), B);
+      std::printf("greedy ids (%s) equal to the monolithic run's: yes (%zu forwards: the prefill, %d warm-up, %d "
+                  "timed and %d staged decode steps; %d sequences each)\n", modes[i].Name().c_str(),
+                  runs[i].ids.size(), W, S, std::min(kSplitSteps, S), B);
     else
-      std::printf("greedy ids, waits on the %s, equal to the monolithic run's: NO (first difference at forward %ld of "
-                  "%zu)\n", what, long(d), run->ids.size());
+      std::printf("greedy ids (%s) equal to the monolithic run's: NO (first difference at forward %ld of %zu)\n",
+                  modes[i].Name().c_str(), long(d), runs[i].ids.size());
   }
   return equal ? 0 : 1;
 }

@@ -59,7 +59,7 @@ struct Dispatch {
   int64_t seq, layer, rows, width, top_k;
   int32_t split;      // x has a lo plane
   int32_t timing;     // record the experts' time
-  int32_t host_wait;  // wait for A on the host (IpcOptions::host_waits)
+  int32_t host_wait;  // wait for A on the host (IpcOptions::expert_host_waits)
   int32_t unused = 0;
 };
 // Expert → attention, once the dispatch is queued: code 0, or why the experts refused it (then the message).
@@ -396,7 +396,8 @@ absl::Status IpcRemoteExperts::Run(const CudaExpertRequest& r, float* out, cudaS
   if (t) K3_CUDA_OK(cudaEventRecord(t->e[1], stream));
   K3_CUDA_OK(cudaEventRecord(m.rows_ready, stream));
 
-  const Dispatch d{++m.seq, r.layer, r.rows, r.width, r.top_k, r.x.lo != 0, t != nullptr, m.opt.host_waits};
+  const Dispatch d{++m.seq, r.layer, r.rows, r.width, r.top_k, r.x.lo != 0, t != nullptr,
+                    m.opt.expert_host_waits};
   m.payload.clear();
   Append(&m.payload, d);
   const auto t0 = Clock::now();
@@ -411,7 +412,7 @@ absl::Status IpcRemoteExperts::Run(const CudaExpertRequest& r, float* out, cudaS
     return m.Fail(absl::UnavailableError(absl::StrCat(m.channel.peer(), ": reply to dispatch ", q.seq, ", want ", d.seq)));
   if (q.code != 0)  // the experts refused this request (and queued nothing to wait for); the link is fine
     return CodeStatus(q.code, absl::StrCat(m.channel.peer(), ": ", m.payload.substr(sizeof(q), q.message_bytes)));
-  if (m.opt.host_waits) {
+  if (m.opt.attention_host_waits) {
     // B was recorded before the reply; spin until the expert's GPU has passed it, watching the peer.
     const auto end = t1 + std::chrono::microseconds(absl::ToInt64Microseconds(m.opt.dispatch_timeout));
     for (int64_t i = 0;; ++i) {

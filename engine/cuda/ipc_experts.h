@@ -12,9 +12,9 @@
 // buffers is enough: the next layer's input is copied after wait(B) (the experts have read this one), and the
 // next layer's sums are written after its A (the attention stream has copied these out).
 //
-// IpcOptions::host_waits (the default) moves both waits to the hosts: the expert host waits for A and then
-// enqueues its experts, the attention host waits for B and then enqueues the copy out and what follows. On one GPU
-// shared by two processes' contexts that is much faster than waits on the GPU (see IpcOptions).
+// IpcOptions can move either wait to its host: the expert host waits for A and then enqueues its experts, the
+// attention host waits for B and then enqueues the copy out and what follows. On one GPU shared by two processes'
+// contexts a wait on the GPU is slow (see IpcOptions).
 //
 // The attention side owns every buffer and both events; the expert process only maps them, so the attention
 // process never touches memory of a process that may die. A dead expert process (EOF, or no reply within
@@ -54,12 +54,13 @@ struct IpcOptions {
   absl::Duration setup_timeout = absl::Seconds(180);  // the expert process builds its model in this time
   absl::Duration dispatch_timeout = absl::Seconds(10);
   absl::Duration spin = absl::Microseconds(30);  // poll the socket busily this long before sleeping in poll(2)
-  // How each side waits for the other's event. false: on the GPU (cudaStreamWaitEvent), so that both hosts run
-  // ahead. true: on the host (cudaEventQuery until it is done), then enqueue: neither context ever holds the GPU
-  // with a stream blocked on the other's event. Two processes' contexts on one GPU share it by time slices, and a
-  // context whose stream waits on an event still holds its slice: measured on an H200, the GPU waits cost
-  // 0.3–2.2 ms a dispatch more than the experts' compute, the host waits tens of µs (README).
-  bool host_waits = true;
+  // How each side waits for the other's event. false: on the GPU (cudaStreamWaitEvent), so that the host runs
+  // ahead. true: on the host (cudaEventQuery until it is done), then enqueue, so that this side's context does not
+  // hold the GPU with a stream blocked on the other's event. Two processes' contexts on one GPU share it by time
+  // slices, and a context whose stream waits on an event can keep its slice: measured on an H200 with both waits
+  // on the GPU, a dispatch took 0.3–2.2 ms more than the experts' compute (README).
+  bool attention_host_waits = true;  // for the sums (B)
+  bool expert_host_waits = true;     // for the rows (A)
 };
 
 // Where a dispatch's time goes, summed over the dispatches of one MoE layer (SetTiming on).
@@ -70,8 +71,8 @@ struct IpcStageStats {
   double unpack_ms = 0;      // attention GPU: the sums into the engine's buffer
   double round_trip_ms = 0;  // attention host: frame sent → reply read
   double expert_ms = 0;      // expert GPU: its experts (events in the expert process)
-  double expert_host_ms = 0; // expert host: frame read → reply sent (waiting for A too, with host_waits)
-  double sums_host_ms = 0;   // attention host: reply read → B seen done (host_waits)
+  double expert_host_ms = 0; // expert host: frame read → reply sent (waiting for A too, expert_host_waits)
+  double sums_host_ms = 0;   // attention host: reply read → B seen done (attention_host_waits)
 };
 
 // Set in the environment of a process started as the expert process: the socket's file descriptor.

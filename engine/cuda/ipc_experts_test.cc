@@ -52,12 +52,13 @@ std::unique_ptr<CudaModel> Create(bool routed_experts) {
   return m.ok() ? std::move(*m) : nullptr;
 }
 
-std::unique_ptr<IpcRemoteExperts> SpawnExperts(const ModelConfig& config, bool host_waits = true) {
+std::unique_ptr<IpcRemoteExperts> SpawnExperts(const ModelConfig& config, bool attention_host_waits = true,
+                                               bool expert_host_waits = true) {
   IpcModelSpec spec;
   spec.config_json = kKimiLinearLike, spec.seed = kSeed;
   IpcOptions o;
   o.max_rows = kRows, o.setup_timeout = absl::Seconds(120), o.dispatch_timeout = absl::Seconds(5);
-  o.host_waits = host_waits;
+  o.attention_host_waits = attention_host_waits, o.expert_host_waits = expert_host_waits;
   auto r = IpcRemoteExperts::Spawn(config, spec, o);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? std::move(*r) : nullptr;
@@ -106,9 +107,11 @@ TEST(IpcExperts, MatchesMonolithicBitForBit) {
   auto attention = Create(false);
   ASSERT_TRUE(mono && attention);
   const Trace want = Decode(*mono, 6);
-  for (bool host_waits : {true, false}) {
-    SCOPED_TRACE(host_waits ? "waits on the hosts" : "waits on the GPU");
-    auto experts = SpawnExperts(attention->config(), host_waits);
+  for (int mode = 0; mode < 4; ++mode) {  // each side waits on its host or on the GPU
+    const bool attention_host = mode & 1, expert_host = mode & 2;
+    SCOPED_TRACE(::testing::Message() << "attention host waits " << attention_host << ", expert host waits "
+                                      << expert_host);
+    auto experts = SpawnExperts(attention->config(), attention_host, expert_host);
     ASSERT_TRUE(experts);
     attention->SetExpertExecutor(experts.get());
     experts->SetTiming(true);
