@@ -2,26 +2,26 @@
 // sums stay in device memory that both processes map (cudaIpcMemHandle_t); the two streams are ordered by
 // interprocess events (cudaIpcEventHandle_t); a Unix socket carries one small frame a MoE layer each way and is
 // the liveness signal. NCCL cannot put two ranks on one GPU, and HostExpertBridge copies every layer's rows
-// through the host and waits for them; here the host never waits for the GPU.
+// through the host; here no row leaves the device.
 //
 // Per MoE layer, on the attention side's stream: copy x (hi and lo planes), idx and w into the shared input
-// buffer, record event A, send the frame (layer, rows, width, top_k, sequence number). The expert host enqueues
-// wait(A) → its experts (CudaModel::local_experts()) → record(B) on its own stream and replies at once, without
-// waiting for the GPU; the attention host then enqueues wait(B) and a copy of the sums into the engine's buffer.
-// So both hosts run ahead of the GPU and the expert kernels are queued before the GPU reaches them. One set of
-// buffers is enough: the next layer's input is copied after wait(B) (the experts have read this one), and the
-// next layer's sums are written after its A (the attention stream has copied these out).
+// buffer, record event A, send the frame (sequence number, layer, rows, width, top_k). The expert side makes its
+// stream wait for A, enqueues its experts (CudaModel::local_experts()) and records B, and replies once that is
+// enqueued (not run); the attention side makes its stream wait for B and copies the sums into the engine's
+// buffer. One set of buffers is enough: the next layer's input is copied after B (the experts have read this
+// one), and the next layer's sums are written after its A (the attention stream has copied these out).
 //
-// IpcOptions can move either wait to its host: the expert host waits for A and then enqueues its experts, the
-// attention host waits for B and then enqueues the copy out and what follows. On one GPU shared by two processes'
-// contexts a wait on the GPU is slow (see IpcOptions).
+// Each wait is either on the GPU (cudaStreamWaitEvent: the host runs ahead) or on the host (cudaEventQuery until
+// done, then enqueue): IpcOptions. Without MPS two processes' contexts share the GPU by time slices, and a stream
+// blocked on the other process's event for long keeps its slices; the default waits on both hosts (measured in
+// engine/cuda/README.md).
 //
 // The attention side owns every buffer and both events; the expert process only maps them, so the attention
 // process never touches memory of a process that may die. A dead expert process (EOF, or no reply within
 // dispatch_timeout) makes Run return UNAVAILABLE naming it, then and ever after; the engine keeps serving
-// with a new IpcRemoteExperts. A process killed after it queued record(B) and before its GPU work ran leaves
-// the attention stream waiting on B (the driver's behavior there is not defined); a kill between steps is seen
-// at the next dispatch before anything is enqueued.
+// with a new IpcRemoteExperts. A kill between steps is seen at the next dispatch before anything is enqueued;
+// with the attention side's wait on the GPU, a process killed after it queued record(B) and before its GPU work
+// ran would leave the attention stream waiting on B (with the default host wait, the spin sees the EOF).
 #pragma once
 
 #include <cuda_runtime.h>
