@@ -9,6 +9,8 @@
 //   k3serve-bench-e2e --config tools/configs/k3-mini.json --experts-dtype mxfp4   (its 47 GB of MXFP4 experts whole)
 // --profile adds the device time of each stage of a decode step. Decode is timed with overlapped steps
 // (CudaModel::NextGreedy) and with the host in the loop (ForwardGreedy a step); --overlap=false: the latter alone.
+// --disaggregated ipc then decodes the same prompts with attention and experts in two processes on this GPU
+// (engine/cuda/ipc_experts.h: this binary again as the expert process) and compares tok/s and greedy ids.
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -16,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -28,6 +31,7 @@
 #include "absl/flags/usage.h"
 #include "common/flags.h"
 #include "engine/cuda/cuda_model.h"
+#include "engine/cuda/ipc_experts.h"
 #include "engine/config.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (config.json + safetensors)");
@@ -52,6 +56,10 @@ ABSL_FLAG(bool, overlap, true,
 ABSL_FLAG(int, prefill_tokens, 8192, "tokens per prefill forward");
 ABSL_FLAG(std::string, anchor, "", "JSON from hf_e2e_anchor.py (optional)");
 ABSL_FLAG(std::string, json, "", "write the results here (optional)");
+ABSL_FLAG(std::string, disaggregated, "",
+          "ipc: after the monolithic run, the same decode with the routed experts in a second process on this GPU "
+          "(CUDA IPC buffers and events, a Unix socket for the frames): tok/s against the monolithic run's, greedy ids "
+          "compared step by step, the time of each stage of a MoE dispatch");
 
 namespace k3 {
 namespace {
@@ -92,6 +100,180 @@ double CopyBandwidth() {
 
 void Fail(const absl::Status& s) { std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str()); }
 
+// The in-process experts behind the executor interface: the model runs as with remote experts (no CUDA graphs,
+// no overlapped steps), which isolates what the second process adds from what losing the graphs costs.
+class ForwardingExperts final : public cuda::CudaExpertExecutor {
+ public:
+  explicit ForwardingExperts(cuda::CudaExpertExecutor* inner) : inner_(inner) {}
+  absl::Status Run(const cuda::CudaExpertRequest& r, float* out, cudaStream_t stream) override {
+    return inner_->Run(r, out, stream);
+  }
+
+ private:
+  cuda::CudaExpertExecutor* inner_;
+};
+
+using IdTrace = std::vector<std::vector<int32_t>>;  // greedy ids of every sequence, a step at a time
+
+struct Monolithic {
+  const ModelConfig* config = nullptr;
+  std::string config_text;  // --config's text (random weights), or empty with model_dir
+  std::string model_dir;
+  cuda::CudaModelOptions options;
+  const std::vector<std::vector<int32_t>>* prompts = nullptr;
+  IdTrace ids;             // the prefill's, then one entry a decode step
+  double ms_overlap = 0;   // overlapped steps with graphs
+  double ms_sync = 0;      // host in the loop with graphs
+  double ms_no_graphs = 0; // host in the loop, in-process experts behind the executor interface
+};
+
+constexpr int kSplitSteps = 8;  // decode steps timed stage by stage after the disaggregated run's timed ones
+
+// One disaggregated run: the attention-only engine decodes the monolithic run's prompts and steps with the routed
+// experts in a new expert process, then a few steps stage by stage.
+struct IpcRun {
+  double ms = 0, ms_timed = 0;
+  std::map<int64_t, cuda::IpcStageStats> stats;
+  IdTrace ids;
+};
+
+// Where each side waits for the other's event (IpcOptions).
+struct IpcWaits {
+  bool attention_host = true, expert_host = true;
+  std::string Name() const {
+    return std::string("attention waits on the ") + (attention_host ? "host" : "GPU") + ", experts on the " +
+           (expert_host ? "host" : "GPU");
+  }
+};
+
+absl::StatusOr<IpcRun> DecodeOverIpc(const Monolithic& mono, cuda::CudaModel& model, IpcWaits waits, int B, int W,
+                                     int S) {
+  IpcRun run;
+  cuda::IpcModelSpec spec;
+  spec.model_dir = mono.model_dir, spec.config_json = mono.config_text, spec.seed = absl::GetFlag(FLAGS_seed);
+  spec.experts_mxfp4 = mono.config->expert_format == ExpertFormat::kMxfp4 && !mono.config_text.empty();
+  spec.share_routed_experts = mono.options.share_routed_experts;
+  cuda::IpcOptions io;
+  io.max_rows = mono.options.max_batch_tokens;
+  io.attention_host_waits = waits.attention_host, io.expert_host_waits = waits.expert_host;
+  const auto t_start = Clock::now();
+  K3_ASSIGN_OR_RETURN(auto experts, cuda::IpcRemoteExperts::Spawn(*mono.config, spec, io));
+  std::printf("\n%s: %s up in %.1f s (its own copy of the model, same seed: the same experts)\n",
+              waits.Name().c_str(), experts->peer().c_str(),
+              std::chrono::duration<double>(Clock::now() - t_start).count());
+  model.SetExpertExecutor(experts.get());
+  const int P = static_cast<int>((*mono.prompts)[0].size());
+  std::vector<int32_t> slots(B), next(B);
+  for (int s = 0; s < B; ++s) {
+    K3_ASSIGN_OR_RETURN(slots[s], model.AllocSlot());
+  }
+  const int per = std::max(1, static_cast<int>(mono.options.max_batch_tokens / P));
+  for (int s0 = 0; s0 < B; s0 += per) {
+    std::vector<cuda::GpuChunk> chunks;
+    for (int s = s0; s < std::min(B, s0 + per); ++s) chunks.push_back({slots[s], (*mono.prompts)[s], LogitsMode::kLast});
+    std::vector<int32_t> out;
+    K3_RETURN_IF_ERROR(model.ForwardGreedy(chunks, &out));
+    std::copy(out.begin(), out.end(), next.begin() + s0);
+  }
+  run.ids.push_back(next);
+  auto step = [&]() -> absl::Status {
+    std::vector<cuda::GpuChunk> chunks;
+    for (int s = 0; s < B; ++s) chunks.push_back({slots[s], std::span<const int32_t>(&next[s], 1), LogitsMode::kLast});
+    std::vector<int32_t> out;
+    K3_RETURN_IF_ERROR(model.ForwardGreedy(chunks, &out));
+    next = out;
+    run.ids.push_back(out);
+    return absl::OkStatus();
+  };
+  for (int i = 0; i < W; ++i) K3_RETURN_IF_ERROR(step());
+  auto t0 = Clock::now();
+  for (int i = 0; i < S; ++i) K3_RETURN_IF_ERROR(step());
+  run.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
+  // Then a few steps with events around every stage, on both sides.
+  const int split_steps = std::min(kSplitSteps, S);
+  experts->SetTiming(true);
+  t0 = Clock::now();
+  for (int i = 0; i < split_steps; ++i) K3_RETURN_IF_ERROR(step());
+  run.ms_timed = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / split_steps;
+  K3_ASSIGN_OR_RETURN(run.stats, experts->TakeStats());
+  model.SetExpertExecutor(nullptr);
+  for (int32_t s : slots) K3_RETURN_IF_ERROR(model.FreeSlot(s));
+
+  std::printf("one MoE dispatch by stage (µs, mean of %d steps; attention GPU and host here, expert GPU and host in "
+              "the expert process; %.3f ms a step with the events on):\n", split_steps, run.ms_timed);
+  std::printf("| layer | pack (attn GPU) | frame round trip (attn host) | sums wait (attn host) | expert compute (expert "
+              "GPU) | rows ready → sums in (attn GPU) | that − compute | unpack (attn GPU) | frame → reply (expert "
+              "host) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  cuda::IpcStageStats all;
+  for (const auto& [layer, st] : run.stats) {
+    const double n = std::max<int64_t>(1, st.dispatches) / 1e3;
+    std::printf("| %ld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", long(layer), st.pack_ms / n,
+                st.round_trip_ms / n, st.sums_host_ms / n, st.expert_ms / n, st.wait_ms / n,
+                (st.wait_ms - st.expert_ms) / n, st.unpack_ms / n, st.expert_host_ms / n);
+    all.pack_ms += st.pack_ms / split_steps, all.wait_ms += st.wait_ms / split_steps;
+    all.expert_ms += st.expert_ms / split_steps, all.unpack_ms += st.unpack_ms / split_steps;
+  }
+  std::printf("a step, all MoE layers: pack %.3f ms, expert compute %.3f ms, rows ready → sums in %.3f ms (%.3f ms "
+              "more than the compute), unpack %.3f ms\n", all.pack_ms, all.expert_ms, all.wait_ms,
+              all.wait_ms - all.expert_ms, all.unpack_ms);
+  return run;
+}
+
+// Greedy ids against the monolithic run's same forwards: -1 when all equal, else the first that differs.
+int64_t FirstDifference(const IdTrace& got, const IdTrace& want) {
+  for (size_t i = 0; i < got.size(); ++i)
+    if (i >= want.size() || got[i] != want[i]) return static_cast<int64_t>(i);
+  return -1;
+}
+
+// The same prompts and decode steps as the monolithic run, with the routed experts in an expert process on this
+// GPU (IpcRemoteExperts), waits on the hosts and on the GPU; prints the comparison. 1 when ids differ.
+int RunDisaggregatedIpc(const Monolithic& mono, int B, int W, int S) {
+  const int P = static_cast<int>((*mono.prompts)[0].size());
+  std::printf("\ndisaggregated over CUDA IPC: an attention-only engine here, the routed experts in an expert process "
+              "on the same GPU\n");
+  cuda::CudaModelOptions opt = mono.options;
+  opt.routed_experts = false;
+  auto loaded = mono.config_text.empty() ? cuda::CudaModel::Load(mono.model_dir, opt)
+                                         : cuda::CudaModel::CreateRandom(*mono.config, absl::GetFlag(FLAGS_seed), opt);
+  if (!loaded.ok()) return Fail(loaded.status()), 1;
+  // The default (both waits on the hosts) first, then the other three.
+  const IpcWaits modes[] = {{true, true}, {true, false}, {false, true}, {false, false}};
+  std::vector<IpcRun> runs;
+  for (const IpcWaits& w : modes) {
+    auto run = DecodeOverIpc(mono, **loaded, w, B, W, S);
+    if (!run.ok()) return Fail(run.status()), 1;
+    runs.push_back(std::move(*run));
+  }
+
+  auto row = [&](const std::string& what, double m) {
+    std::printf("| %s | %.0f | %.3f | %.2f |\n", what.c_str(), B / (m * 1e-3), m, mono.ms_overlap / m);
+  };
+  std::printf("\n| decode, batch %d after %d tokens, this run | tok/s | ms/step | tok/s / monolithic |\n"
+              "|---|---:|---:|---:|\n", B, P);
+  row("monolithic: overlapped steps, CUDA graphs", mono.ms_overlap);
+  row("monolithic: host in the loop, CUDA graphs", mono.ms_sync);
+  row("monolithic: host in the loop, no graphs (in-process experts behind the executor interface)", mono.ms_no_graphs);
+  for (size_t i = 0; i < runs.size(); ++i)
+    row("attention + expert processes over CUDA IPC (host in the loop, no graphs), " + modes[i].Name(), runs[i].ms);
+  std::printf("\ndisaggregated (%s) / monolithic tok/s: %.3f (against the monolithic engine without graphs, host in "
+              "the loop: %.3f)\n", modes[0].Name().c_str(), mono.ms_overlap / runs[0].ms,
+              mono.ms_no_graphs / runs[0].ms);
+  bool equal = true;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const int64_t d = FirstDifference(runs[i].ids, mono.ids);
+    equal = equal && d < 0;
+    if (d < 0)
+      std::printf("greedy ids (%s) equal to the monolithic run's: yes (%zu forwards: the prefill, %d warm-up, %d "
+                  "timed and %d staged decode steps; %d sequences each)\n", modes[i].Name().c_str(),
+                  runs[i].ids.size(), W, S, std::min(kSplitSteps, S), B);
+    else
+      std::printf("greedy ids (%s) equal to the monolithic run's: NO (first difference at forward %ld of %zu)\n",
+                  modes[i].Name().c_str(), long(d), runs[i].ids.size());
+  }
+  return equal ? 0 : 1;
+}
+
 int Run() {
   const std::string config_path = absl::GetFlag(FLAGS_config);
   const std::string dir = config_path.empty() ? absl::GetFlag(FLAGS_model) : config_path;
@@ -99,6 +281,11 @@ int Run() {
             S = absl::GetFlag(FLAGS_steps);
   if (dir.empty() || B <= 0 || P <= 0 || S <= 0 || W < 0) {
     std::fprintf(stderr, "usage: k3serve-bench-e2e --model DIR | --config FILE [--batch 64] [--prompt 512] [--steps 32]\n");
+    return 2;
+  }
+  const std::string disaggregated = absl::GetFlag(FLAGS_disaggregated);
+  if (!disaggregated.empty() && disaggregated != "ipc") {
+    std::fprintf(stderr, "error: --disaggregated must be ipc, got \"%s\"\n", disaggregated.c_str());
     return 2;
   }
   cudaDeviceProp prop{};
@@ -111,18 +298,21 @@ int Run() {
   opt.max_seqs = B;
   // The timed steps run twice (host in the loop, overlapped), then S more weigh the steps' bytes.
   opt.max_context = P + W + 3 * S + kProfileSteps + 2;
+  if (!disaggregated.empty()) opt.max_context += S + 2;  // the steps without graphs
   opt.max_batch_tokens = std::max(P, absl::GetFlag(FLAGS_prefill_tokens));
   opt.share_routed_experts = absl::GetFlag(FLAGS_share_experts);
   opt.cuda_graphs = absl::GetFlag(FLAGS_graphs);
   const auto t_load = Clock::now();
   absl::StatusOr<std::unique_ptr<cuda::CudaModel>> loaded;
+  std::string config_text;
   if (config_path.empty()) {
     loaded = cuda::CudaModel::Load(dir, opt);
   } else {
     std::ifstream in(config_path);
     std::stringstream text;
     text << in.rdbuf();
-    auto config = ParseModelConfig(text.str(), config_path);
+    config_text = text.str();
+    auto config = ParseModelConfig(config_text, config_path);
     if (!config.ok()) return Fail(config.status()), 1;
     const std::string dtype = absl::GetFlag(FLAGS_experts_dtype);
     if (dtype == "mxfp4") {
@@ -151,6 +341,7 @@ int Run() {
   // Prefill: random prompts, as many sequences per forward as the token budget takes.
   std::mt19937 rng(1);
   std::vector<int32_t> slots(B), next(B);
+  IdTrace ids;  // the prefill's and every decode step's, for --disaggregated
   std::vector<std::vector<int32_t>> prompts(B, std::vector<int32_t>(P));
   for (auto& p : prompts)
     for (auto& t : p) t = static_cast<int32_t>(rng() % c.vocab_size);
@@ -169,6 +360,7 @@ int Run() {
     std::copy(ids.begin(), ids.end(), next.begin() + s0);
   }
   const double prefill_s = std::chrono::duration<double>(Clock::now() - t_prefill).count();
+  ids.push_back(next);
   std::printf("prefill: %d × %d tokens in %.2f s (%.0f tok/s)\n", B, P, prefill_s, B * P / prefill_s);
 
   // Decode: every sequence one token per step, greedy.
@@ -180,12 +372,18 @@ int Run() {
     std::copy(ids.begin(), ids.end(), next.begin());
     return absl::OkStatus();
   };
+  const bool keep_ids = !disaggregated.empty();
+  auto step_kept = [&]() -> absl::Status {
+    K3_RETURN_IF_ERROR(step());
+    if (keep_ids) ids.push_back(next);
+    return absl::OkStatus();
+  };
   for (int i = 0; i < W; ++i)
-    if (auto st = step(); !st.ok()) return Fail(st), 1;
+    if (auto st = step_kept(); !st.ok()) return Fail(st), 1;
   // Host in the loop: each step's ids come back before the next step is launched.
   auto t0 = Clock::now();
   for (int i = 0; i < S; ++i)
-    if (auto st = step(); !st.ok()) return Fail(st), 1;
+    if (auto st = step_kept(); !st.ok()) return Fail(st), 1;
   const double ms_sync = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
   double ms = ms_sync;
   if (absl::GetFlag(FLAGS_overlap)) {
@@ -193,9 +391,12 @@ int Run() {
     std::vector<int32_t> prev;
     t0 = Clock::now();
     cudaProfilerStart();  // the timed steps are the range an external profiler captures (nsys --capture-range)
-    for (int i = 0; i < S; ++i)
+    for (int i = 0; i < S; ++i) {
       if (auto st = model.NextGreedy(&prev); !st.ok()) return Fail(st), 1;
+      if (keep_ids && i > 0) ids.push_back(prev);  // the first is the last host-in-the-loop step's
+    }
     if (auto st = model.LastGreedy(&next); !st.ok()) return Fail(st), 1;
+    if (keep_ids) ids.push_back(next);
     cudaProfilerStop();
     ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
   }
@@ -279,13 +480,31 @@ int Run() {
                           {"hf_default_tok_s", hf_default}};
     std::ofstream(path) << out.dump(2) << "\n";
   }
-  return 0;
+  if (disaggregated.empty()) return 0;
+
+  // The monolithic engine without graphs and overlap (what the disaggregated one runs without), then the
+  // disaggregated run.
+  Monolithic mono;
+  mono.config = &c, mono.config_text = config_text, mono.model_dir = config_path.empty() ? dir : "";
+  mono.options = opt, mono.prompts = &prompts, mono.ids = std::move(ids);
+  mono.ms_overlap = ms, mono.ms_sync = ms_sync;
+  ForwardingExperts forwarding(model.local_experts());
+  model.SetExpertExecutor(&forwarding);
+  for (int i = 0; i < 2; ++i)
+    if (auto st = step(); !st.ok()) return Fail(st), 1;
+  t0 = Clock::now();
+  for (int i = 0; i < S; ++i)
+    if (auto st = step(); !st.ok()) return Fail(st), 1;
+  mono.ms_no_graphs = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / S;
+  model.SetExpertExecutor(nullptr);
+  return RunDisaggregatedIpc(mono, B, W, S);
 }
 
 }  // namespace
 }  // namespace k3
 
 int main(int argc, char** argv) {
+  if (const int rc = k3::cuda::ServeIpcExpertsIfChild(); rc >= 0) return rc;  // started as --disaggregated's experts
   absl::SetProgramUsageMessage("k3serve-bench-e2e --model DIR [--batch 64] [--prompt 512] [--steps 32]");
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
