@@ -1,6 +1,8 @@
 #include "kernels/cuda/mxfp4.cuh"
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -10,28 +12,91 @@ namespace k3::cuda {
 
 using bf16 = __nv_bfloat16;
 
-int64_t Mxfp4CodeBytes(int64_t rows, int64_t cols) { return rows * cols / 2; }
-int64_t Mxfp4ScaleBytes(int64_t rows, int64_t cols) { return rows * cols / 32; }
+namespace {
 
-// Per 16 rows × 32 columns (r16, kb): 32 lanes × 8 bytes, lane (g = l/4, t = l%4) holding the bytes of its A
-// fragments (ptx.cuh): k16 step 0 a0..a3 = rows g, g+8, g, g+8 at bytes t, t, t+4, t+4; step 1 the same at
-// bytes 8+t, 8+t, 12+t, 12+t. Scales: 8 pairs (row g, row g+8) per (r16, kb).
+// The code layout. Lane (g = l/4, t = l%4) of a warp owns, per 16 rows × 32 inputs, rows g and g + 8 at inputs
+// 8t .. 8t + 7: the k order inside the block is permuted (A and B alike, so the products are unchanged) so that
+// its x is one 16-byte load. Its eight A registers j (k16 step j/4, fragment register j%4: row g + 8·(j&1),
+// inputs 8t + 4·(j/4) + 2·((j%4)/2) + {0, 1}) each hold two codes, whose checkpoint byte is D_j (low nibble =
+// even input). Register j is placed by bits of the lane's 64 stored bits Z: out_j = kM & (F(o1_j) ^ F(o2_j)),
+// F(o) the 32 bits of Z from bit o on (cyclic), kM the bits a code's sign and e1 e0 m take in a bf16
+// (15, 8..6 in each half). Upload solves this linear system over GF(2) for Z. The eight (o1, o2): 17 SHF / LOP3
+// a lane for 16 codes, found by search (no choice of plain rotations covers all 64 bits).
+constexpr uint32_t kM = 0x81C081C0u;
+constexpr int kO1[8] = {0, 32, 3, 6, 35, 10, 13, 38};
+constexpr int kO2[8] = {-1, -1, -1, -1, -1, 36, 37, 42};
+constexpr int kMBits[8] = {6, 7, 8, 15, 22, 23, 24, 31};
+
+// Z for the 8 bytes D: Z = L⁻¹ D, as 8 tables of 256 (one per byte of D).
+struct CodeTables {
+  uint64_t t[8][256];
+  CodeTables() {
+    uint64_t l[64], inv[64];  // row r: output bit r (byte r/8, bit r%8) as a set of Z bits
+    for (int j = 0; j < 8; ++j)
+      for (int b = 0; b < 8; ++b) {
+        uint64_t v = uint64_t{1} << ((kO1[j] + kMBits[b]) % 64);
+        if (kO2[j] >= 0) v ^= uint64_t{1} << ((kO2[j] + kMBits[b]) % 64);
+        l[8 * j + b] = v, inv[8 * j + b] = uint64_t{1} << (8 * j + b);
+      }
+    for (int c = 0, r = 0; c < 64; ++c, ++r) {  // Gauss-Jordan: l becomes the identity, inv L⁻¹ (full rank)
+      int p = r;
+      while (!(l[p] >> c & 1)) ++p;
+      std::swap(l[r], l[p]), std::swap(inv[r], inv[p]);
+      for (int i = 0; i < 64; ++i)
+        if (i != r && (l[i] >> c & 1)) l[i] ^= l[r], inv[i] ^= inv[r];
+    }
+    // Z bit c = parity(inv[c] & D): the column of D bit i is the set of c with bit i in inv[c].
+    uint64_t col[64] = {};
+    for (int c = 0; c < 64; ++c)
+      for (int i = 0; i < 64; ++i)
+        if (inv[c] >> i & 1) col[i] |= uint64_t{1} << c;
+    for (int byte = 0; byte < 8; ++byte)
+      for (int v = 0; v < 256; ++v) {
+        uint64_t z = 0;
+        for (int b = 0; b < 8; ++b)
+          if (v >> b & 1) z ^= col[8 * byte + b];
+        t[byte][v] = z;
+      }
+  }
+};
+
+}  // namespace
+
+int64_t Mxfp4CodeBytes(int64_t rows, int64_t cols) { return rows * cols / 2; }
+int64_t Mxfp4ScaleBytes(int64_t rows, int64_t cols) { return rows * cols / 32 + rows; }
+
+// Scales: per (r16, kb) 16 bytes, pairs (row g, row g + 8), each u = s − R + 126 so that a code's bf16 (its value
+// times 2^−126) times the bf16 2^(u − 127) is its weight over 2^R, exactly; then one byte R per row (the kernel
+// multiplies the row's fp32 sums by 2^R): R = max(0, the row's largest s − 128) keeps u ≤ 254 (a bf16 exponent).
+// Exact while every s of a row is ≥ R − 5 (no underflow): a row's scales spanning under 133 binades, which any
+// checkpoint's do (real scales sit near 2^−7).
 void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows, int64_t cols, uint8_t* codes,
                       uint8_t* scales) {
+  static const CodeTables tables;
   const int64_t KB = cols / 32, row_bytes = cols / 2;
+  std::vector<int> r_row(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    int smax = 0;
+    for (int64_t kb = 0; kb < KB; ++kb) smax = std::max<int>(smax, scale[r * KB + kb]);
+    r_row[r] = std::max(0, smax - 128);
+    scales[rows * KB + r] = static_cast<uint8_t>(r_row[r]);
+  }
   for (int64_t r16 = 0; r16 < rows / 16; ++r16) {
     for (int64_t kb = 0; kb < KB; ++kb) {
       uint8_t* c = codes + (r16 * KB + kb) * 256;
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, t = lane % 4;
-        const int64_t r0 = (r16 * 16 + g) * row_bytes + kb * 16, r1 = r0 + 8 * row_bytes;
-        const int64_t src[8] = {r0 + t, r1 + t, r0 + t + 4, r1 + t + 4, r0 + 8 + t, r1 + 8 + t, r0 + 12 + t, r1 + 12 + t};
-        for (int j = 0; j < 8; ++j) c[lane * 8 + j] = packed[src[j]];
+        uint64_t z = 0;
+        for (int j = 0; j < 8; ++j) {
+          const int64_t row = r16 * 16 + g + 8 * (j & 1), k = kb * 32 + 8 * t + 4 * (j / 4) + 2 * ((j % 4) / 2);
+          z ^= tables.t[j][packed[row * row_bytes + k / 2]];
+        }
+        for (int b = 0; b < 8; ++b) c[lane * 8 + b] = static_cast<uint8_t>(z >> (8 * b));
       }
       uint8_t* s = scales + (r16 * KB + kb) * 16;
-      for (int g = 0; g < 8; ++g) {
-        s[2 * g] = scale[(r16 * 16 + g) * KB + kb];
-        s[2 * g + 1] = scale[(r16 * 16 + g + 8) * KB + kb];
+      for (int g = 0; g < 16; ++g) {
+        const int64_t row = r16 * 16 + g / 2 + 8 * (g % 2);
+        s[g] = static_cast<uint8_t>(std::max(1, scale[row * KB + kb] - r_row[row] + 126));
       }
     }
   }
@@ -42,23 +107,33 @@ struct Mxfp4Workspace::Buffers {
   int32_t *counts = nullptr, *offsets = nullptr, *slot_pair = nullptr, *pair_slot = nullptr;
   bf16* h = nullptr;  // [2, P, I]: hi plane, then (split x) the lo plane
   bf16* y = nullptr;  // [2, P, D]
+  // The dequantizing path (many pairs per expert): bf16 W1, W3, W2 of every expert, pointers into it, and the
+  // bf16 grouped experts' workspace.
+  bf16* wbf = nullptr;  // [E][W1 I·D, W3 I·D, W2 D·I]
+  const bf16** wptr = nullptr;  // [3][E]
+  std::unique_ptr<MoeWorkspace> moe;
   void Free() {
     for (void* p : {static_cast<void*>(counts), static_cast<void*>(offsets), static_cast<void*>(slot_pair),
-                    static_cast<void*>(pair_slot), static_cast<void*>(h), static_cast<void*>(y)})
+                    static_cast<void*>(pair_slot), static_cast<void*>(h), static_cast<void*>(y),
+                    static_cast<void*>(wbf), static_cast<void*>(wptr)})
       cudaFree(p);
     counts = offsets = slot_pair = pair_slot = nullptr;
-    h = y = nullptr;
+    h = y = wbf = nullptr;
+    wptr = nullptr;
+    moe.reset();
   }
 };
 
 Mxfp4Workspace::Mxfp4Workspace() : b_(std::make_unique<Buffers>()) {}
 Mxfp4Workspace::~Mxfp4Workspace() { b_->Free(); }
 
-cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t E) {
+cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t E, bool dequant_copy) {
   Buffers& b = *b_;
-  if (max_pairs <= b.max_pairs && D <= b.D && I <= b.I && E <= b.E) return cudaSuccess;
+  const bool copy_missing = dequant_copy && b.wbf == nullptr && max_pairs >= kMxfp4DequantMinPairsPerExpert * E;
+  if (max_pairs <= b.max_pairs && D <= b.D && I <= b.I && E <= b.E && !copy_missing) return cudaSuccess;
   b.Free();
-  b.max_pairs = std::max(max_pairs, b.max_pairs), b.D = std::max(D, b.D), b.I = std::max(I, b.I), b.E = std::max(E, b.E);
+  b.max_pairs = std::max(max_pairs, b.max_pairs), b.D = std::max(D, b.D), b.I = std::max(I, b.I);
+  b.E = std::max(E, b.E);
   const int64_t P = std::max<int64_t>(b.max_pairs, 1);
   cudaError_t e;
   if ((e = cudaMalloc(&b.counts, b.E * 4)) != cudaSuccess) return e;
@@ -66,12 +141,23 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
   if ((e = cudaMalloc(&b.slot_pair, P * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.pair_slot, P * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.h, 2 * P * b.I * 2)) != cudaSuccess) return e;
-  return cudaMalloc(&b.y, 2 * P * b.D * 2);
+  if ((e = cudaMalloc(&b.y, 2 * P * b.D * 2)) != cudaSuccess) return e;
+  if (!dequant_copy || b.max_pairs < kMxfp4DequantMinPairsPerExpert * b.E) return cudaSuccess;
+  const int64_t per_expert = 3 * b.I * b.D;
+  if ((e = cudaMalloc(&b.wbf, b.E * per_expert * 2)) != cudaSuccess) return e;
+  if ((e = cudaMalloc(&b.wptr, 3 * b.E * sizeof(bf16*))) != cudaSuccess) return e;
+  std::vector<const bf16*> ptrs(3 * b.E);
+  for (int64_t x = 0; x < b.E; ++x)
+    for (int m = 0; m < 3; ++m) ptrs[m * b.E + x] = b.wbf + x * per_expert + m * b.I * b.D;
+  if ((e = cudaMemcpy(b.wptr, ptrs.data(), ptrs.size() * sizeof(bf16*), cudaMemcpyHostToDevice)) != cudaSuccess)
+    return e;
+  b.moe = std::make_unique<MoeWorkspace>();
+  return b.moe->Reserve(b.max_pairs, b.D, b.I, b.E);
 }
 
 namespace {
 
-constexpr int kWarps = 4;  // 64 weight rows per CTA
+constexpr int kWarps = 4;        // 64 weight rows per CTA
 
 struct KernelArgs {
   int64_t rows = 0, K = 0;  // weights [rows, K]
@@ -83,113 +169,119 @@ struct KernelArgs {
   const int32_t* slot_pair = nullptr;
   int top_k = 1;
   const bf16* x = nullptr;  // gate/up: tokens' rows (slot_pair / top_k); down: h, one row per slot
-  int64_t x_lo = 0;         // split x: the lo plane at x + x_lo (even); 0: plain bf16
+  int64_t x_lo = 0;         // split x: the lo plane at x + x_lo (a multiple of 8); 0: plain bf16
   bf16* out = nullptr;      // [P, rows], one row per slot
   int64_t out_lo = 0;       // split out: the lo plane at out + out_lo; 0: plain bf16
   GluAct act = GluAct::kSilu;
   float b1 = 0, b2 = 0;
 };
 
-// Dequantization in bf16 pairs, ~3.5 instructions a weight (the decode kernels are bound by them, not by
-// HBM). A code's magnitude bits e1 e0 m placed at bf16's bits 8..6 and its sign at bit 15 make the bf16
-// 2^(e−127)·(1 + m/2) (e = 0: the subnormal m·2^−127), i.e. the E2M1 value times 2^−126; two bf16x2
-// products, by 2^126 and by the block's 2^(s−127), are exact (the scale 255, NaN, never loads).
-__device__ __forceinline__ __nv_bfloat162 Bf16x2(uint32_t bits) {
-  __nv_bfloat162 v;
-  *reinterpret_cast<uint32_t*>(&v) = bits;
-  return v;
+template <int o>
+__device__ __forceinline__ uint32_t Window(uint32_t z0, uint32_t z1) {
+  return o < 32 ? __funnelshift_r(z0, z1, o % 32) : __funnelshift_r(z1, z0, o % 32);
 }
-// 2^(s−127) in both halves (s = 0: the subnormal 2^−127).
-__device__ __forceinline__ __nv_bfloat162 Scale2(uint32_t s) {
-  const uint32_t b = s == 0 ? 0x0040u : s << 7;
-  return Bf16x2(b | (b << 16));
-}
-// Byte j of q (codes 2j, 2j+1) as a bf16 pair times scale.
 template <int j>
-__device__ __forceinline__ uint32_t Dq(uint32_t q, uint32_t q4, __nv_bfloat162 scale) {
-  constexpr uint32_t sel = j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12);
-  const uint32_t x = __byte_perm(q, q4, sel);  // code 2j at bits 0..3, code 2j+1 at bits 16..19
-  const uint32_t v = ((x << 6) & 0x01C001C0u) | ((x << 12) & 0x80008000u);
-  const __nv_bfloat162 w = __hmul2(__hmul2(Bf16x2(v), Bf16x2(0x7E807E80u)), scale);  // · 2^126 · 2^(s−127)
+__device__ __forceinline__ uint32_t Place(uint32_t z0, uint32_t z1) {
+  if constexpr (kO2[j] < 0) {
+    return Window<kO1[j]>(z0, z1) & kM;
+  } else {
+    return (Window<kO1[j]>(z0, z1) ^ Window<kO2[j]>(z0, z1)) & kM;
+  }
+}
+__device__ __forceinline__ uint32_t Mul(uint32_t v, uint32_t s) {
+  __nv_bfloat162 a, b;
+  *reinterpret_cast<uint32_t*>(&a) = v, *reinterpret_cast<uint32_t*>(&b) = s;
+  const __nv_bfloat162 w = __hmul2(a, b);
   return *reinterpret_cast<const uint32_t*>(&w);
 }
-// Fragment-order bytes: rows g, g+8, g, g+8 (scales lo, hi) for each k16 step.
+// A lane's 16 weights of a (r16, kb) block as its A fragments of the two k16 steps: each register one funnel
+// shift and one LOP3 (a few two), one HMUL2 by the row's 2^(u − 127) (exact).
 __device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
-  const __nv_bfloat162 lo = Scale2(s & 255u), hi = Scale2(s >> 8);
-  const uint32_t x4 = q.x >> 4, y4 = q.y >> 4;
-  a0[0] = Dq<0>(q.x, x4, lo), a0[1] = Dq<1>(q.x, x4, hi), a0[2] = Dq<2>(q.x, x4, lo), a0[3] = Dq<3>(q.x, x4, hi);
-  a1[0] = Dq<0>(q.y, y4, lo), a1[1] = Dq<1>(q.y, y4, hi), a1[2] = Dq<2>(q.y, y4, lo), a1[3] = Dq<3>(q.y, y4, hi);
+  const uint32_t lo = __byte_perm(s, 0, 0x0404) >> 1, hi = __byte_perm(s, 0, 0x1414) >> 1;  // bf16x2 2^(u−127)
+  a0[0] = Mul(Place<0>(q.x, q.y), lo), a0[1] = Mul(Place<1>(q.x, q.y), hi);
+  a0[2] = Mul(Place<2>(q.x, q.y), lo), a0[3] = Mul(Place<3>(q.x, q.y), hi);
+  a1[0] = Mul(Place<4>(q.x, q.y), lo), a1[1] = Mul(Place<5>(q.x, q.y), hi);
+  a1[2] = Mul(Place<6>(q.x, q.y), lo), a1[3] = Mul(Place<7>(q.x, q.y), hi);
 }
+__device__ __forceinline__ float Pow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
-// A warp: 16 weight rows of expert blockIdx.y against its tokens, NT n-tiles (8·NT tokens) per pass. A split x
-// runs its hi and lo planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
-template <int NT, bool kGlu, bool kSplit>
+// A warp: 16 weight rows of expert blockIdx.y against its tokens in passes of up to 8·kTiles (blockIdx.z,
+// + gridDim.z, …); a pass skips the n-tiles its tokens do not fill (warp-uniform). kTiles is chosen per launch from
+// the average pairs per expert: one n-tile keeps the decode kernel at a few registers and many warps in flight (a
+// runtime count up to 8 took 153 registers and ran 1.9× slower at 8 pairs per expert). A split x runs its hi and lo
+// planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
+template <int kTiles, bool kGlu, bool kSplit>
 __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t r16 = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (r16 * 16 >= a.rows) return;
   const int e = blockIdx.y;
   const int begin = a.offsets[e], m = a.offsets[e + 1] - begin;
-  if (m == 0) return;
+  constexpr int kPassTokens = 8 * kTiles;
+  if (m <= static_cast<int>(blockIdx.z) * kPassTokens) return;
   const int64_t KB = a.K / 32;
   const uint2* qa = reinterpret_cast<const uint2*>(a.wa[e]) + r16 * KB * 32 + lane;
   const uint16_t* sa = reinterpret_cast<const uint16_t*>(a.sa[e]) + r16 * KB * 8 + g;
   const uint2* qb = kGlu ? reinterpret_cast<const uint2*>(a.wb[e]) + r16 * KB * 32 + lane : nullptr;
   const uint16_t* sb = kGlu ? reinterpret_cast<const uint16_t*>(a.sb[e]) + r16 * KB * 8 + g : nullptr;
-  // The expert's token passes are spread over blockIdx.z, so that a busy expert (Zipf's first) does not
-  // stream its weights pass after pass in one warp while the others are done.
-  for (int tok0 = blockIdx.z * 8 * NT; tok0 < m; tok0 += gridDim.z * 8 * NT) {
-    float ca[NT][4] = {}, cb[NT][4] = {};
-    const uint32_t* xr[NT];
+  const uint8_t* ra = a.sa[e] + a.rows * KB + r16 * 16 + g;  // R of rows g, g + 8
+  const float fa0 = Pow2(ra[0]), fa1 = Pow2(ra[8]);
+  float fb0 = 1.0f, fb1 = 1.0f;
+  if (kGlu) {
+    const uint8_t* rb = a.sb[e] + a.rows * KB + r16 * 16 + g;
+    fb0 = Pow2(rb[0]), fb1 = Pow2(rb[8]);
+  }
+  for (int tok0 = blockIdx.z * kPassTokens; tok0 < m; tok0 += gridDim.z * kPassTokens) {
+    const int tiles = min(kTiles, (m - tok0 + 7) / 8);
+    float ca[kTiles][4] = {}, cb[kTiles][4] = {};
+    const uint4* xr[kTiles];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < kTiles; ++nt) {
       const int tk = tok0 + nt * 8 + g;
       const int64_t row = tk < m ? (kGlu ? a.slot_pair[begin + tk] / a.top_k : begin + tk) : -1;
-      xr[nt] = row >= 0 ? reinterpret_cast<const uint32_t*>(a.x + row * a.K) + t : nullptr;
+      xr[nt] = row >= 0 ? reinterpret_cast<const uint4*>(a.x + row * a.K) + t : nullptr;
     }
-    // Deeper with one n-tile (more loads in flight), shallower with eight (registers): measured on the H200.
-    constexpr int kUnroll = NT == 1 ? 8 : NT >= 8 ? 2 : 4;
+    // Deeper with one n-tile (more loads in flight), shallower with eight (registers).
+    constexpr int kUnroll = kTiles == 1 ? 8 : kTiles >= 8 ? 2 : 4;
 #pragma unroll kUnroll
     for (int64_t kb = 0; kb < KB; ++kb) {
       uint32_t A0[4], A1[4], B0[4], B1[4];
       Dequant(__ldg(qa + kb * 32), __ldg(sa + kb * 8), A0, A1);
       if (kGlu) Dequant(__ldg(qb + kb * 32), __ldg(sb + kb * 8), B0, B1);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;  // k 2t.., 2t+8.., 2t+16.., 2t+24.. of token g
-        uint32_t l0 = 0, l1 = 0, l2 = 0, l3 = 0;  // the same of its lo plane
+      for (int nt = 0; nt < kTiles; ++nt) {
+        if (nt >= tiles) break;
+        uint4 xv = make_uint4(0, 0, 0, 0), xl = make_uint4(0, 0, 0, 0);  // token g's inputs 8t .. 8t + 7
         if (xr[nt] != nullptr) {
-          const uint32_t* p = xr[nt] + kb * 16;
-          x0 = p[0], x1 = p[4], x2 = p[8], x3 = p[12];
-          if (kSplit) {
-            const uint32_t* q = p + a.x_lo / 2;
-            l0 = q[0], l1 = q[4], l2 = q[8], l3 = q[12];
-          }
+          xv = __ldg(xr[nt] + kb * 4);
+          if (kSplit) xl = __ldg(xr[nt] + kb * 4 + a.x_lo / 8);
         }
-        ptx::Mma(ca[nt], A0, x0, x1);
-        ptx::Mma(ca[nt], A1, x2, x3);
+        ptx::Mma(ca[nt], A0, xv.x, xv.y);
+        ptx::Mma(ca[nt], A1, xv.z, xv.w);
         if (kSplit) {
-          ptx::Mma(ca[nt], A0, l0, l1);
-          ptx::Mma(ca[nt], A1, l2, l3);
+          ptx::Mma(ca[nt], A0, xl.x, xl.y);
+          ptx::Mma(ca[nt], A1, xl.z, xl.w);
         }
         if (kGlu) {
-          ptx::Mma(cb[nt], B0, x0, x1);
-          ptx::Mma(cb[nt], B1, x2, x3);
+          ptx::Mma(cb[nt], B0, xv.x, xv.y);
+          ptx::Mma(cb[nt], B1, xv.z, xv.w);
           if (kSplit) {
-            ptx::Mma(cb[nt], B0, l0, l1);
-            ptx::Mma(cb[nt], B1, l2, l3);
+            ptx::Mma(cb[nt], B0, xl.x, xl.y);
+            ptx::Mma(cb[nt], B1, xl.z, xl.w);
           }
         }
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < kTiles; ++nt) {
+      if (nt >= tiles) break;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // c_i: row g + 8·(i / 2), token 2t + i % 2
         const int tk = tok0 + nt * 8 + 2 * t + (i & 1);
         if (tk >= m) continue;
         const int64_t row = r16 * 16 + g + 8 * (i >> 1);
-        const float v = kGlu ? Glu(a.act, ca[nt][i], cb[nt][i], a.b1, a.b2) : ca[nt][i];
+        const float va = ca[nt][i] * (i >> 1 ? fa1 : fa0);
+        const float v = kGlu ? Glu(a.act, va, cb[nt][i] * (i >> 1 ? fb1 : fb0), a.b1, a.b2) : va;
         StoreSplit(a.out + static_cast<int64_t>(begin + tk) * a.rows + row, kSplit ? a.out_lo : 0, v);
       }
     }
@@ -216,20 +308,21 @@ __global__ void CombineKernel(int64_t D, int top_k, const int32_t* pair_slot, co
   }
   if (experts_hit != nullptr && n == 0) {
     int hit = 0;
-    for (int e0 = 0; e0 < E; e0 += blockDim.x) hit += __syncthreads_count(e0 + threadIdx.x < E && counts[e0 + threadIdx.x] > 0);
+    for (int e0 = 0; e0 < E; e0 += blockDim.x)
+      hit += __syncthreads_count(e0 + static_cast<int>(threadIdx.x) < E && counts[e0 + threadIdx.x] > 0);
     if (threadIdx.x == 0) *experts_hit = hit;
   }
 }
 
 template <bool kGlu, bool kSplit>
 cudaError_t Launch(const KernelArgs& k, int64_t num_experts, int64_t avg_pairs, cudaStream_t stream) {
-  // Decode (a few tokens per expert): one n-tile keeps registers low and many warps streaming; more tokens
-  // per pass reuse each dequantized fragment more often. Up to kPassSplit CTAs share an expert's passes.
+  // Up to kPassSplit CTAs (gridDim.z) share an expert's passes, so that a busy expert (Zipf's first) does not run
+  // its passes one after another in one warp while the others are done.
   constexpr int64_t kPassSplit = 16;
   const int nt = avg_pairs <= 8 ? 1 : avg_pairs <= 16 ? 2 : avg_pairs <= 32 ? 4 : 8;
   const int64_t passes = (avg_pairs * num_experts + 8 * nt - 1) / (8 * nt);
   const dim3 grid(static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps), static_cast<unsigned>(num_experts),
-                  static_cast<unsigned>(std::min(passes, kPassSplit)));
+                  static_cast<unsigned>(std::clamp<int64_t>(passes, 1, kPassSplit)));
   if (nt == 1) {
     Mxfp4Kernel<1, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
   } else if (nt == 2) {
@@ -242,37 +335,84 @@ cudaError_t Launch(const KernelArgs& k, int64_t num_experts, int64_t avg_pairs, 
   return cudaGetLastError();
 }
 
+// The weights of the experts that received a pair, from fragment order to bf16 [rows, K] row-major: a thread per
+// lane of a (r16, kb) block, its 16 weights as Dequant makes them, times 2^R (exact), in two 16-byte stores.
+__global__ void DequantKernel(const uint8_t* const* w, const uint8_t* const* s, int64_t rows, int64_t K,
+                              const int32_t* counts, const bf16* const* out) {
+  const int e = blockIdx.y;
+  if (counts[e] == 0) return;
+  const int64_t KB = K / 32, id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= rows / 16 * KB * 32) return;
+  const int lane = static_cast<int>(id % 32), g = lane / 4, t = lane % 4;
+  const int64_t blk = id / 32, r16 = blk / KB, kb = blk % KB;
+  const uint2 q = __ldg(reinterpret_cast<const uint2*>(w[e]) + id);
+  const uint32_t sc = __ldg(reinterpret_cast<const uint16_t*>(s[e]) + blk * 8 + g);
+  uint32_t a0[4], a1[4];
+  Dequant(q, sc, a0, a1);
+  const uint8_t* r = s[e] + rows * KB + r16 * 16 + g;
+  const uint32_t f0 = (r[0] + 127u) << 7, f1 = (r[8] + 127u) << 7;  // bf16 2^R
+  const uint32_t p0 = f0 | f0 << 16, p1 = f1 | f1 << 16;
+  bf16* o = const_cast<bf16*>(out[e]) + (r16 * 16 + g) * K + kb * 32 + 8 * t;
+  *reinterpret_cast<uint4*>(o) = make_uint4(Mul(a0[0], p0), Mul(a0[2], p0), Mul(a1[0], p0), Mul(a1[2], p0));
+  *reinterpret_cast<uint4*>(o + 8 * K) = make_uint4(Mul(a0[1], p1), Mul(a0[3], p1), Mul(a1[1], p1), Mul(a1[3], p1));
+}
+
+cudaError_t Dequantize(const uint8_t* const* w, const uint8_t* const* s, int64_t rows, int64_t K, int64_t E,
+                       const int32_t* counts, const bf16* const* out, cudaStream_t stream) {
+  const int64_t threads = rows / 16 * (K / 32) * 32;
+  DequantKernel<<<dim3(static_cast<unsigned>((threads + 255) / 256), static_cast<unsigned>(E)), 256, 0, stream>>>(
+      w, s, rows, K, counts, out);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStream_t stream) {
   Mxfp4Workspace::Buffers& b = *ws.b_;
-  const int64_t P = a.N * a.top_k;
+  const int64_t P = a.N * a.top_k, E = a.num_experts;
   const bool split = a.x_lo != 0;
-  if (a.N < 0 || a.D % 32 != 0 || a.I % 32 != 0 || a.D <= 0 || a.I <= 0 || a.top_k <= 0 || a.num_experts <= 0 ||
-      a.num_experts > 8192 || a.x_lo % 2 != 0)
+  if (a.N < 0 || a.D % 32 != 0 || a.I % 32 != 0 || a.D <= 0 || a.I <= 0 || a.top_k <= 0 || E <= 0 || E > 8192 ||
+      a.x_lo % 8 != 0 || reinterpret_cast<uintptr_t>(a.x) % 16 != 0)
     return cudaErrorInvalidValue;
-  if (P > b.max_pairs || a.D > b.D || a.I > b.I || a.num_experts > b.E) return cudaErrorInvalidValue;
+  if (P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E) return cudaErrorInvalidValue;
+  const bool dequant = a.gemm == Mxfp4Gemm::kDequant ||
+                       (a.gemm == Mxfp4Gemm::kAuto && P >= kMxfp4DequantMinPairsPerExpert * E && b.wbf != nullptr);
+  if (dequant && b.wbf == nullptr) return cudaErrorInvalidValue;
   if (a.N == 0) return a.experts_hit ? cudaMemsetAsync(a.experts_hit, 0, sizeof(int32_t), stream) : cudaSuccess;
   if (!a.x || !a.idx || !a.w || !a.w1 || !a.s1 || !a.w3 || !a.s3 || !a.w2 || !a.s2 || (split ? !a.out_f32 : !a.out))
     return cudaErrorInvalidValue;
-  cudaError_t e = MoePermute(P, a.idx, a.num_experts, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream);
+  cudaError_t e = MoePermute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream);
   if (e != cudaSuccess) return e;
-  const int64_t avg = (P + a.num_experts - 1) / a.num_experts;
+  if (dequant) {
+    const bf16* const* w1 = b.wptr;
+    const bf16* const* w3 = b.wptr + b.E;
+    const bf16* const* w2 = b.wptr + 2 * b.E;
+    if ((e = Dequantize(a.w1, a.s1, a.I, a.D, E, b.counts, w1, stream)) != cudaSuccess) return e;
+    if ((e = Dequantize(a.w3, a.s3, a.I, a.D, E, b.counts, w3, stream)) != cudaSuccess) return e;
+    if ((e = Dequantize(a.w2, a.s2, a.D, a.I, E, b.counts, w2, stream)) != cudaSuccess) return e;
+    MoeExpertsArgs m;
+    m.N = a.N, m.D = a.D, m.I = a.I, m.top_k = a.top_k, m.num_experts = E;
+    m.x = a.x, m.x_lo = a.x_lo, m.idx = a.idx, m.w = a.w, m.w1 = w1, m.w3 = w3, m.w2 = w2;
+    m.act = a.act, m.situ_beta = a.situ_beta, m.situ_linear_beta = a.situ_linear_beta;
+    m.out = a.out, m.out_f32 = a.out_f32, m.experts_hit = a.experts_hit;
+    return MoeExperts(m, split ? MoeGemm::kTiled : MoeGemm::kAuto, *b.moe, stream);
+  }
+  const int64_t avg = (P + E - 1) / E;
   KernelArgs k;
   k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.top_k = static_cast<int>(a.top_k);
   k.act = a.act, k.b1 = a.situ_beta, k.b2 = a.situ_linear_beta;
   const int64_t h_lo = split ? b.max_pairs * b.I : 0, y_lo = split ? b.max_pairs * b.D : 0;
   k.rows = a.I, k.K = a.D, k.wa = a.w1, k.sa = a.s1, k.wb = a.w3, k.sb = a.s3;
   k.x = a.x, k.x_lo = a.x_lo, k.out = b.h, k.out_lo = h_lo;
-  e = split ? Launch<true, true>(k, a.num_experts, avg, stream) : Launch<true, false>(k, a.num_experts, avg, stream);
+  e = split ? Launch<true, true>(k, E, avg, stream) : Launch<true, false>(k, E, avg, stream);
   if (e != cudaSuccess) return e;
   k.rows = a.D, k.K = a.I, k.wa = a.w2, k.sa = a.s2, k.wb = k.sb = nullptr;
   k.x = b.h, k.x_lo = h_lo, k.out = b.y, k.out_lo = y_lo;
-  e = split ? Launch<false, true>(k, a.num_experts, avg, stream) : Launch<false, false>(k, a.num_experts, avg, stream);
+  e = split ? Launch<false, true>(k, E, avg, stream) : Launch<false, false>(k, E, avg, stream);
   if (e != cudaSuccess) return e;
   CombineKernel<<<static_cast<unsigned>(a.N), 256, 0, stream>>>(
       a.D, static_cast<int>(a.top_k), b.pair_slot, a.w, b.y, y_lo, split ? nullptr : a.out, split ? a.out_f32 : nullptr,
-      static_cast<int>(a.num_experts), b.counts, a.experts_hit);
+      static_cast<int>(E), b.counts, a.experts_hit);
   return cudaGetLastError();
 }
 

@@ -3,13 +3,23 @@
 // weights to bf16 in registers (exact: an E2M1 value times a power of two) and feeds the m16n8k16 bf16
 // tensor-core product; HBM carries 4.25 bits per weight instead of 16.
 //
-// Weights are uploaded in a fragment order (Mxfp4ToFragments): for every 16 rows × 32 inputs, lane l of a
-// warp reads the 8 bytes (16 codes) that its A fragments of the two k16 steps need, and 2 bytes of scales
-// (rows l/4 and l/4 + 8): one coalesced 256-byte load per warp per block, no shared-memory shuffle.
-// A warp owns 16 weight rows and runs an expert's tokens in passes of 8, 16, 32 or 64 (n-tiles of 8, chosen
-// from the average pairs per expert): the gate/up kernel fuses the activation, h and each expert's output are
-// rounded to bf16 (a split x: kept as two bf16 planes), and each token sums its k weighted outputs in pair order
-// (deterministic), as MoeExperts (moe.cuh) does.
+// Two paths (Mxfp4Gemm), by routed pairs per expert:
+//   kDirect   (decode, few tokens per expert: bandwidth-bound) the weights stream from HBM once per 64 tokens of
+//             an expert. Uploaded in a fragment order (Mxfp4ToFragments): for every 16 rows × 32 inputs, lane l of
+//             a warp reads the 8 bytes (16 codes) of its A fragments of the two k16 steps, re-encoded so that each
+//             bf16 pair takes one funnel shift and one LOP3 (a few: two shifts) plus one HMUL2 by the block's scale
+//             (mxfp4.cu says how), and 2 bytes of scales. A warp owns 16 weight rows and runs an expert's tokens in
+//             passes of up to 64, as many n-tiles of 8 as the expert's tokens fill; the gate/up kernel fuses the
+//             activation.
+//   kDequant  (prefill, from kMxfp4DequantMinPairsPerExpert pairs per expert on average: compute-bound) the hit
+//             experts' weights are dequantized once into a bf16 copy in the workspace (a bandwidth-bound pass,
+//             3·E·I·D·2 bytes of device memory: 3.7 GB at K3 latent widths with 56 experts), then our bf16 grouped
+//             experts run on it (MoeExperts: kAuto for a plain x, which takes kCublas above 256 pairs per expert and
+//             then synchronizes the stream; kTiled for a split x). The copy is allocated only when Reserve is
+//             asked for it (dequant_copy) and max_pairs reaches that many pairs per expert: the engine and the
+//             expert node, which keep MXFP4 experts to save memory, do not ask.
+// Both keep h and each expert's output in bf16 (split x: both planes) and sum each token's k weighted outputs in
+// pair order (deterministic), as MoeExperts (moe.cuh) does.
 // Reference: k3::cpu::MoeExperts on the weights dequantized by k3::cpu::DequantizeMxfp4.
 #pragma once
 
@@ -23,7 +33,7 @@
 
 namespace k3::cuda {
 
-// Bytes of a [rows, cols] matrix in fragment order: codes rows·cols/2, scales rows·cols/32 (rows a
+// Bytes of a [rows, cols] matrix in fragment order: codes rows·cols/2, scales rows·cols/32 + rows (rows a
 // multiple of 16, cols of 32).
 int64_t Mxfp4CodeBytes(int64_t rows, int64_t cols);
 int64_t Mxfp4ScaleBytes(int64_t rows, int64_t cols);
@@ -31,16 +41,23 @@ int64_t Mxfp4ScaleBytes(int64_t rows, int64_t cols);
 void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows, int64_t cols, uint8_t* codes,
                       uint8_t* scales);
 
+enum class Mxfp4Gemm {
+  kAuto,     // kDequant from kMxfp4DequantMinPairsPerExpert pairs per expert when the workspace holds the bf16 copy
+  kDirect,
+  kDequant,  // needs a workspace reserved for that many pairs per expert
+};
+constexpr int64_t kMxfp4DequantMinPairsPerExpert = 128;
+
 struct Mxfp4ExpertsArgs {
   int64_t N = 0;            // tokens
   int64_t D = 0;            // model (latent) width ℓ, a multiple of 32
   int64_t I = 0;            // expert intermediate width, a multiple of 32
   int64_t top_k = 0;
   int64_t num_experts = 0;  // E ≤ 8192
-  const __nv_bfloat16* x = nullptr;  // [N, D]
+  const __nv_bfloat16* x = nullptr;  // [N, D], 16-byte aligned
   // Split x (kernels/cuda/split.cuh: x ≈ hi + lo, the GPU engine's activations): the lo plane at x + x_lo. Then h
   // and each expert's output keep both planes too and the sum goes to out_f32, as MoeExpertsArgs::x_lo does.
-  // 0: plain bf16 x, bf16 out. Even.
+  // 0: plain bf16 x, bf16 out. A multiple of 8.
   int64_t x_lo = 0;
   const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1: not routed here
   const float* w = nullptr;          // [N, k]
@@ -58,17 +75,18 @@ struct Mxfp4ExpertsArgs {
   __nv_bfloat16* out = nullptr;    // [N, D]
   float* out_f32 = nullptr;        // [N, D], instead of out with a split x
   int32_t* experts_hit = nullptr;  // optional, device scalar: the experts that received a pair
+  Mxfp4Gemm gemm = Mxfp4Gemm::kAuto;
 };
 
-// Scratch for up to max_pairs = N·k pairs: h and the expert outputs in two planes, 4·max_pairs·(D + I) bytes, and
-// the slot maps. Not thread-safe.
+// Scratch for up to max_pairs = N·k pairs; with dequant_copy, from kMxfp4DequantMinPairsPerExpert · num_experts
+// pairs, also the bf16 copy of the experts' weights (kDequant). Not thread-safe.
 class Mxfp4Workspace {
  public:
   Mxfp4Workspace();
   ~Mxfp4Workspace();
   Mxfp4Workspace(const Mxfp4Workspace&) = delete;
   Mxfp4Workspace& operator=(const Mxfp4Workspace&) = delete;
-  cudaError_t Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t num_experts);
+  cudaError_t Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t num_experts, bool dequant_copy = false);
 
   struct Buffers;
 

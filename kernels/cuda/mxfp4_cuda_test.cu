@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
+#include "common/bf16.h"
 #include "kernels/cpu/experts.h"
 #include "kernels/cpu/mxfp4.h"
 #include "kernels/cuda/mxfp4.cuh"
@@ -75,76 +77,95 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   DeviceBuffer<uint16_t> dx(xb);
   DeviceBuffer<int32_t> didx(idx);
   DeviceBuffer<float> dw(w);
-  DeviceBuffer<uint16_t> out(N * D);
-  DeviceBuffer<float> out_f32(N * D);
-  DeviceBuffer<int32_t> hit(1);
-  CUDA_OK(cudaMemset(hit.get(), 0xFF, sizeof(int32_t)));
-  Mxfp4Workspace ws;
-  CUDA_OK(ws.Reserve(N * k, D, I, E));
-  Mxfp4ExpertsArgs a;
-  a.N = N, a.D = D, a.I = I, a.top_k = k, a.num_experts = E;
-  a.x = dx.bf(), a.idx = didx.get(), a.w = dw.get();
-  a.w1 = p1.get(), a.s1 = ps1.get(), a.w3 = p3.get(), a.s3 = ps3.get(), a.w2 = p2.get(), a.s2 = ps2.get();
-  a.act = GluAct::kSitu;
-  a.experts_hit = hit.get();
-  if (split) {
-    a.x_lo = N * D, a.out_f32 = out_f32.get();
-  } else {
-    a.out = out.bf();
-  }
-  CUDA_OK(Mxfp4Experts(a, ws, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto got_bits = out.ToHost();
-  const auto got_f32 = out_f32.ToHost();
-  std::vector<float> got(N * D), ref(N * D);
-  for (int64_t i = 0; i < N * D; ++i) got[i] = split ? got_f32[i] : Bf16ToFloat(got_bits[i]);
+  std::vector<float> ref(N * D);
   cpu::MoeExperts(N, D, I, k, x.data(), idx.data(), w.data(), E, cpu_experts.data(), {cpu::GluAct::kSitu, 4.0f, 25.0f},
                   ref.data());
-  // Plain x: bf16 rounding of h and of each expert's output (2^−9 relative) is all that separates them. Split x:
-  // both keep 16 bits, and the rest is fp32 summation order.
-  EXPECT_LT(RelDiff(got, ref), split ? 1e-4 : 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E
-                                                    << " k=" << k << " split=" << split << " scales from " << base;
   std::vector<bool> used(E, false);
   for (int32_t e : idx)
     if (e >= 0) used[e] = true;
-  EXPECT_EQ(hit.ToHost()[0], std::count(used.begin(), used.end(), true));
-  // Reproducible run to run.
-  CUDA_OK(Mxfp4Experts(a, ws, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(out.ToHost(), got_bits);
-  EXPECT_EQ(out_f32.ToHost(), got_f32);
+  // Both paths: the direct kernels, and the bf16 copy (its workspace reserved for enough pairs per expert) under
+  // our bf16 grouped experts.
+  for (Mxfp4Gemm gemm : {Mxfp4Gemm::kDirect, Mxfp4Gemm::kDequant}) {
+    DeviceBuffer<uint16_t> out(N * D);
+    DeviceBuffer<float> out_f32(N * D);
+    DeviceBuffer<int32_t> hit(1);
+    CUDA_OK(cudaMemset(hit.get(), 0xFF, sizeof(int32_t)));
+    Mxfp4Workspace ws;
+    const bool dequant = gemm == Mxfp4Gemm::kDequant;
+    CUDA_OK(ws.Reserve(dequant ? std::max(N * k, kMxfp4DequantMinPairsPerExpert * E) : N * k, D, I, E, dequant));
+    Mxfp4ExpertsArgs a;
+    a.gemm = gemm;
+    a.N = N, a.D = D, a.I = I, a.top_k = k, a.num_experts = E;
+    a.x = dx.bf(), a.idx = didx.get(), a.w = dw.get();
+    a.w1 = p1.get(), a.s1 = ps1.get(), a.w3 = p3.get(), a.s3 = ps3.get(), a.w2 = p2.get(), a.s2 = ps2.get();
+    a.act = GluAct::kSitu;
+    a.experts_hit = hit.get();
+    if (split) {
+      a.x_lo = N * D, a.out_f32 = out_f32.get();
+    } else {
+      a.out = out.bf();
+    }
+    CUDA_OK(Mxfp4Experts(a, ws, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got_bits = out.ToHost();
+    const auto got_f32 = out_f32.ToHost();
+    std::vector<float> got(N * D);
+    for (int64_t i = 0; i < N * D; ++i) got[i] = split ? got_f32[i] : Bf16ToFloat(got_bits[i]);
+    // Plain x: bf16 rounding of h and of each expert's output (2^−9 relative) is all that separates them. Split x:
+    // both keep 16 bits, and the rest is fp32 summation order.
+    EXPECT_LT(RelDiff(got, ref), split ? 1e-4 : 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E
+                                                      << " k=" << k << " split=" << split << " scales from " << base
+                                                      << " dequant=" << dequant;
+    EXPECT_EQ(hit.ToHost()[0], std::count(used.begin(), used.end(), true)) << "dequant=" << dequant;
+    // Reproducible run to run.
+    CUDA_OK(Mxfp4Experts(a, ws, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(out.ToHost(), got_bits);
+    EXPECT_EQ(out_f32.ToHost(), got_f32);
+  }
 }
 
-// The fragment order as the kernels read it, decoded on the host: lane l's 8 bytes of block (r16, kb) are its A
-// fragments (ptx.cuh) of the two k16 steps, a code c placed at bf16 bits 15 and 8..6 is E2M1(c)·2^−126, and the
-// block's scale s multiplies it by 2^126 · 2^(s − 127). Equal to cpu::DequantizeMxfp4 on every byte of codes and on
-// scales 0x00, 0x7F, 0xFE (runs without a GPU).
+// Arguments that cannot run are refused: a split x without out_f32, a lo offset off 8 elements, the dequantizing
+// The fragment order as the kernels read it, decoded on the host as Dequant does: lane (g, t)'s 8 bytes of block
+// (r16, kb) are 64 bits Z; its register j (k16 step j / 4, fragment register j % 4: row g + 8·(j & 1), inputs
+// 8t + 4·(j / 4) + 2·((j % 4) / 2) + {0, 1}) is kM & (Z ror o1 ⊕ Z ror o2), whose bf16 halves are E2M1 values
+// times 2^−126; times the block's 2^(u − 127) and the row's 2^R they equal cpu::DequantizeMxfp4 bit for bit, on
+// every code byte and on rows of scales near 0x00, 0x7F and 0xFE (runs without a GPU).
 TEST(Mxfp4Fragments, DecodeAsTheKernelsReadThem) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  constexpr int kO1[8] = {0, 32, 3, 6, 35, 10, 13, 38};
+  constexpr int kO2[8] = {-1, -1, -1, -1, -1, 36, 37, 42};
   const int64_t rows = 48, cols = 96, KB = cols / 32;
   std::mt19937 rng(17);
   std::vector<uint8_t> packed(rows * cols / 2), scale(rows * KB);
   for (size_t i = 0; i < packed.size(); ++i) packed[i] = static_cast<uint8_t>(i < 256 ? i : rng());
-  const uint8_t kScales[] = {0x00, 0x7F, 0xFE, 0x70, 0x81};
-  for (size_t i = 0; i < scale.size(); ++i) scale[i] = kScales[i % 5];
+  const int kBase[] = {0x00, 0x7F, 0xFE};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const int base = kBase[r % 3];
+      scale[r * KB + kb] = static_cast<uint8_t>(base == 0 ? (r + kb) % 5 : base - (r + kb) % 5);
+    }
   std::vector<float> ref(rows * cols), got(rows * cols, NAN);
   cpu::DequantizeMxfp4({packed.data(), scale.data()}, cols, 0, rows, ref.data());
   std::vector<uint8_t> codes(Mxfp4CodeBytes(rows, cols)), scales(Mxfp4ScaleBytes(rows, cols));
   ASSERT_EQ(codes.size(), packed.size());
-  ASSERT_EQ(scales.size(), scale.size());
+  ASSERT_EQ(scales.size(), scale.size() + rows);
   Mxfp4ToFragments(packed.data(), scale.data(), rows, cols, codes.data(), scales.data());
+  auto ror = [](uint64_t z, int o) { return static_cast<uint32_t>(o == 0 ? z : (z >> o) | (z << (64 - o))); };
   for (int64_t r16 = 0; r16 < rows / 16; ++r16)
     for (int64_t kb = 0; kb < KB; ++kb)
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, t = lane % 4;
-        const uint8_t* q = &codes[((r16 * KB + kb) * 32 + lane) * 8];
-        const uint8_t* sc = &scales[(r16 * KB + kb) * 16 + 2 * g];  // rows g, g + 8
-        // Byte j: register j % 4 of k16 step j / 4, row g + 8·(j % 2), inputs 2t, 2t + 1 (+ 8, + 16).
+        uint64_t z = 0;
+        std::memcpy(&z, &codes[((r16 * KB + kb) * 32 + lane) * 8], 8);
         for (int j = 0; j < 8; ++j) {
-          const int64_t row = r16 * 16 + g + 8 * (j % 2), k = kb * 32 + 16 * (j / 4) + 8 * ((j % 4) / 2) + 2 * t;
+          const uint32_t v = kM & (ror(z, kO1[j]) ^ (kO2[j] >= 0 ? ror(z, kO2[j]) : 0u));
+          const int64_t row = r16 * 16 + g + 8 * (j & 1);
+          const int u = scales[(r16 * KB + kb) * 16 + 2 * g + (j & 1)], R = scales[rows * KB + row];
           for (int h = 0; h < 2; ++h) {
-            const uint32_t c = (q[j] >> (4 * h)) & 15u;
-            const float v = Bf16ToFloat(static_cast<uint16_t>(((c & 7u) << 6) | ((c & 8u) << 12)));
-            got[row * cols + k + h] = v * std::ldexp(1.0f, 126) * std::ldexp(1.0f, sc[j % 2] - 127);
+            const int64_t k = kb * 32 + 8 * t + 4 * (j / 4) + 2 * ((j % 4) / 2) + h;
+            const double code = Bf16ToFloat(static_cast<uint16_t>(v >> (16 * h)));
+            got[row * cols + k] = static_cast<float>(code * std::ldexp(1.0, u - 127) * std::ldexp(1.0, R));
           }
         }
       }
@@ -152,7 +173,7 @@ TEST(Mxfp4Fragments, DecodeAsTheKernelsReadThem) {
     ASSERT_EQ(got[i], ref[i]) << "row " << i / cols << " col " << i % cols << " scale " << int{scale[i / 32]};
 }
 
-// Arguments that cannot run are refused: a split x without out_f32, an odd lo offset, more pairs than reserved.
+// path without its copy, more pairs than reserved.
 TEST(Mxfp4ExpertsCuda, RefusesBadArguments) {
   REQUIRE_GPU();
   Mxfp4Workspace ws;
@@ -168,8 +189,10 @@ TEST(Mxfp4ExpertsCuda, RefusesBadArguments) {
   a.x_lo = 4 * 64, a.out = out.bf();
   EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // split x, no out_f32
   a.out_f32 = out_f32.get(), a.x_lo = 257;
-  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // odd lo offset
-  a.x_lo = 4 * 64, a.N = 5;
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // lo offset off 8 elements
+  a.x_lo = 4 * 64, a.gemm = Mxfp4Gemm::kDequant;
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // no bf16 copy reserved
+  a.gemm = Mxfp4Gemm::kAuto, a.N = 5;
   EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // 10 pairs, 8 reserved
 }
 
@@ -184,7 +207,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Mxfp4ExpertsTest,
                                            Case{301, 128, 224, 5, 3, true}, Case{21, 128, 96, 4, 2, true, 126},
                                            Case{19, 2304, 1024, 6, 8, true},  // Kimi-Linear widths, k = 8
                                            Case{19, 2304, 1024, 6, 8},
-                                           // K3 latent widths, about 60 pairs on expert 0
+                                           // K3 latent widths, about 45 pairs on expert 0
                                            Case{45, 3584, 3072, 3, 2, true}));
 
 }  // namespace
