@@ -1,8 +1,24 @@
 #include "attention_service/engine_loop.h"
 
+#include <algorithm>
+
 #include "absl/time/clock.h"
 
 namespace k3 {
+
+void Bell::Ring() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++rings_;
+  }
+  cv_.notify_all();
+}
+
+void Bell::Wait(uint64_t* seen, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return rings_ != *seen; });
+  *seen = rings_;
+}
 
 std::vector<StepOutput> TokenStream::Next(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
@@ -44,6 +60,30 @@ absl::StatusOr<std::shared_ptr<TokenStream>> EngineLoop::Add(uint64_t id, std::v
   return stream;
 }
 
+std::shared_ptr<TokenStream> EngineLoop::AddAsync(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p,
+                                                  std::shared_ptr<Bell> bell) {
+  auto stream = std::make_shared<TokenStream>(std::move(bell));
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_) {
+      commands_.push_back(AddCmd{id, std::move(prompt), p, stream, {}, /*error_on_stream=*/true});
+      queued = true;
+    }
+  }
+  if (queued) {
+    cv_.notify_all();
+  } else {
+    StepOutput o;
+    o.id = id;
+    o.finish = FinishReason::kError;
+    o.error = absl::UnavailableError("server is shutting down");
+    stream->Push(std::move(o));
+    if (stream->bell() != nullptr) stream->bell()->Ring();
+  }
+  return stream;
+}
+
 void EngineLoop::Abort(uint64_t id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -70,9 +110,23 @@ void EngineLoop::Run() {
       if (stopping_ && commands_.empty() && !engine_.HasWork()) return;
       cmds.swap(commands_);
     }
+    // The bells of the streams pushed to in this iteration, rung once at its end.
+    std::vector<Bell*> bells;
+    auto push = [&](TokenStream& stream, StepOutput o) {
+      stream.Push(std::move(o));
+      if (stream.bell() != nullptr && std::find(bells.begin(), bells.end(), stream.bell()) == bells.end())
+        bells.push_back(stream.bell());
+    };
     for (auto& c : cmds) {
       if (auto* add = std::get_if<AddCmd>(&c)) {
         const absl::Status s = engine_.Add(add->id, std::move(add->prompt), add->params);
+        if (!s.ok() && add->error_on_stream) {
+          StepOutput o;
+          o.id = add->id;
+          o.finish = FinishReason::kError;
+          o.error = s;
+          push(*add->stream, std::move(o));
+        }
         if (s.ok()) streams_[add->id] = std::move(add->stream);
         add->done.set_value(s);
       } else {
@@ -81,7 +135,7 @@ void EngineLoop::Run() {
           StepOutput o;
           o.id = id;
           o.finish = FinishReason::kAborted;
-          if (auto it = streams_.find(id); it != streams_.end()) it->second->Push(std::move(o));
+          if (auto it = streams_.find(id); it != streams_.end()) push(*it->second, std::move(o));
         }
         streams_.erase(id);
       }
@@ -95,10 +149,11 @@ void EngineLoop::Run() {
         auto it = streams_.find(o.id);
         if (it == streams_.end()) continue;
         const bool finished = o.finish != FinishReason::kNone;
-        it->second->Push(std::move(o));
+        push(*it->second, std::move(o));
         if (finished) streams_.erase(it);
       }
     }
+    for (Bell* b : bells) b->Ring();
     if (on_step_) on_step_(engine_.Stats(), took);
   }
 }

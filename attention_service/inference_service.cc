@@ -17,17 +17,6 @@ v1::FinishReason ToProto(FinishReason r) {
 
 grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID_ARGUMENT, msg}; }
 
-// IsCancelled() is true both when the client cancels and when its deadline passes; the status
-// (and k3serve_requests_total's code) tells them apart. The client cancels the stream at its
-// deadline, which the server's copy (taken on arrival, so later by the request's transit) may not
-// have reached yet: a cancellation that close to the deadline is the deadline's.
-grpc::Status ClientGone(const grpc::ServerContext& ctx, const char* what) {
-  constexpr auto kTransitSlack = std::chrono::milliseconds(500);
-  if (ctx.deadline() <= std::chrono::system_clock::now() + kTransitSlack)
-    return {grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"};
-  return {grpc::StatusCode::CANCELLED, what};
-}
-
 }  // namespace
 
 InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg) : options_(std::move(options)) {
@@ -55,21 +44,39 @@ grpc::Status InferenceService::Finish(const grpc::Status& s) {
   return s;
 }
 
-grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const absl::Time arrival = absl::Now();
-  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Finish(s);
+// IsCancelled() is true both when the client cancels and when its deadline passes; the status
+// (and k3serve_requests_total's code) tells them apart. The client cancels the stream at its
+// deadline, which the server's copy (taken on arrival, so later by the request's transit) may not
+// have reached yet: a cancellation that close to the deadline is the deadline's.
+grpc::Status InferenceService::ClientGone(absl::Time deadline, const char* what) {
+  constexpr absl::Duration kTransitSlack = absl::Milliseconds(500);
+  if (deadline <= absl::Now() + kTransitSlack) return {grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"};
+  return {grpc::StatusCode::CANCELLED, what};
+}
+
+InferenceService::Request::~Request() {
+  service->outstanding_tokens_ -= outstanding;
+  --service->inflight_;
+  if (name.empty()) return;
+  std::lock_guard<std::mutex> lock(service->mu_);
+  service->by_request_id_.erase(name);
+}
+
+absl::StatusOr<std::unique_ptr<InferenceService::Request>> InferenceService::Admit(const v1::GenerateRequest& req,
+                                                                                   absl::Time arrival, absl::Time deadline,
+                                                                                   std::shared_ptr<Bell> bell) {
   EngineLoop* loop = loop_.load();
-  if (loop == nullptr) return Finish({grpc::StatusCode::UNAVAILABLE, "the model is still loading"});
-  if (!req->model().empty() && req->model() != options_.model_name)
-    return Finish(Invalid(absl::StrCat("model: unknown model \"", req->model(), "\"; this server serves \"",
-                                       options_.model_name, "\"")));
-  if (req->max_tokens() <= 0) return Finish(Invalid(absl::StrCat("max_tokens must be > 0, got ", req->max_tokens())));
-  if (req->max_tokens() > options_.max_tokens_limit)
-    return Finish(Invalid(absl::StrCat("max_tokens = ", req->max_tokens(), " exceeds the limit ", options_.max_tokens_limit)));
+  if (loop == nullptr) return absl::UnavailableError("the model is still loading");
+  if (!req.model().empty() && req.model() != options_.model_name)
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: unknown model \"", req.model(), "\"; this server serves \"", options_.model_name, "\""));
+  if (req.max_tokens() <= 0) return absl::InvalidArgumentError(absl::StrCat("max_tokens must be > 0, got ", req.max_tokens()));
+  if (req.max_tokens() > options_.max_tokens_limit)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens = ", req.max_tokens(), " exceeds the limit ", options_.max_tokens_limit));
   SamplingParams p;
-  const auto& s = req->sampling();
-  p.max_new_tokens = req->max_tokens();
+  const auto& s = req.sampling();
+  p.max_new_tokens = req.max_tokens();
   p.temperature = s.temperature();
   p.top_k = s.top_k();
   p.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
@@ -77,102 +84,110 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   p.seed = s.seed().value();
   p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
   p.ignore_eos = s.ignore_eos();
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) p.deadline = absl::FromChrono(ctx->deadline());
-  if (!options_.ready()) return Finish({grpc::StatusCode::UNAVAILABLE, "experts are not placed yet (no complete placement)"});
+  p.deadline = deadline;
+  if (!options_.ready()) return absl::UnavailableError("experts are not placed yet (no complete placement)");
   if (draining_) {
     ++refused_draining_;
-    return Finish({grpc::StatusCode::UNAVAILABLE, "attention node is draining (takes no new requests)"});
+    return absl::UnavailableError("attention node is draining (takes no new requests)");
   }
 
-  const uint64_t id = next_id_++;
-  if (!req->request_id().empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!by_request_id_.emplace(req->request_id(), id).second)
-      return Finish({grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("request_id \"", req->request_id(), "\" is already live")});
-  }
-  auto release_name = [&] {
-    if (req->request_id().empty()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    by_request_id_.erase(req->request_id());
-  };
-  auto stream = loop->Add(id, {req->prompt_ids().begin(), req->prompt_ids().end()}, p);
-  if (!stream.ok()) {
-    release_name();
-    return Finish(ToGrpc(stream.status()));
-  }
-  m_prompt_tokens_->Inc(req->prompt_ids_size());
+  auto r = std::make_unique<Request>();
+  r->service = this;
+  r->id = next_id_++;
+  r->prompt_tokens = req.prompt_ids_size();
+  r->arrival = r->last = arrival;
+  r->deadline = deadline;
   // Outstanding work, for the gateway's choice of node: what is left of this request.
-  int64_t outstanding = req->prompt_ids_size() + req->max_tokens();
-  outstanding_tokens_ += outstanding;
+  r->outstanding = req.prompt_ids_size() + req.max_tokens();
+  outstanding_tokens_ += r->outstanding;
   ++inflight_;
-  struct Live {
-    InferenceService* s;
-    int64_t& outstanding;
-    ~Live() {
-      s->outstanding_tokens_ -= outstanding;
-      --s->inflight_;
-    }
-  } live{this, outstanding};
+  if (!req.request_id().empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!by_request_id_.emplace(req.request_id(), r->id).second)
+      return absl::AlreadyExistsError(absl::StrCat("request_id \"", req.request_id(), "\" is already live"));
+    r->name = req.request_id();
+  }
+  std::vector<int32_t> prompt(req.prompt_ids().begin(), req.prompt_ids().end());
+  if (bell != nullptr) {
+    r->stream = loop->AddAsync(r->id, std::move(prompt), p, std::move(bell));
+  } else {
+    auto stream = loop->Add(r->id, std::move(prompt), p);
+    if (!stream.ok()) return stream.status();
+    r->stream = *std::move(stream);
+    r->prompt_counted = true;
+    m_prompt_tokens_->Inc(r->prompt_tokens);
+  }
+  return r;
+}
 
-  absl::Time last = arrival;
-  int generated = 0;
+bool InferenceService::Take(Request& r, StepOutput& o, v1::GenerateResponse* resp, grpc::Status* end) {
+  const absl::Time now = absl::Now();
+  if (!r.prompt_counted && o.finish != FinishReason::kError) {  // the engine took it
+    r.prompt_counted = true;
+    m_prompt_tokens_->Inc(r.prompt_tokens);
+  }
+  for (int32_t t : o.tokens) {
+    resp->add_token_ids(t);
+    const double gap = absl::ToDoubleSeconds(now - r.last);
+    if (r.generated++ == 0) {
+      m_ttft_->Observe(gap);
+      r.outstanding -= r.prompt_tokens;
+      outstanding_tokens_ -= r.prompt_tokens;
+    } else {
+      m_itl_->Observe(gap);
+      std::lock_guard<std::mutex> lock(itl_mu_);
+      itl_sum_ += gap;
+      ++itl_count_;
+    }
+    --r.outstanding;
+    --outstanding_tokens_;
+    r.last = now;
+  }
+  m_generated_tokens_->Inc(static_cast<double>(o.tokens.size()));
+  if (o.finish == FinishReason::kError) {
+    m_e2e_->Observe(absl::ToDoubleSeconds(now - r.arrival));
+    *end = ToGrpc(o.error);
+    return true;
+  }
+  if (o.finish == FinishReason::kAborted) {
+    *end = {grpc::StatusCode::CANCELLED, "aborted"};
+    return true;
+  }
+  if (o.finish == FinishReason::kNone) return false;
+  resp->set_finish_reason(ToProto(o.finish));
+  resp->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
+  resp->mutable_usage()->set_completion_tokens(static_cast<int32_t>(o.generated_tokens));
+  m_e2e_->Observe(absl::ToDoubleSeconds(now - r.arrival));
+  *end = grpc::Status::OK;
+  return true;
+}
+
+grpc::Status InferenceService::End(Request& r, const grpc::Status& s, bool abort) {
+  if (EngineLoop* loop = loop_.load(); abort && loop != nullptr) loop->Abort(r.id);
+  return Finish(s);
+}
+
+grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const absl::Time arrival = absl::Now();
+  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Finish(s);
+  const absl::Time deadline = ctx->deadline() == std::chrono::system_clock::time_point::max()
+                                  ? absl::InfiniteFuture()
+                                  : absl::FromChrono(ctx->deadline());
+  auto admitted = Admit(*req, arrival, deadline, nullptr);
+  if (!admitted.ok()) return Finish(ToGrpc(admitted.status()));
+  Request& r = **admitted;
   while (true) {
-    if (end_remaining_) {  // the drain timed out
-      loop->Abort(id);
-      release_name();
-      return Finish({grpc::StatusCode::UNAVAILABLE, end_message_});
-    }
-    if (ctx->IsCancelled()) {  // client cancel or deadline: free the sequence
-      loop->Abort(id);
-      release_name();
-      return Finish(ClientGone(*ctx, "cancelled by the client"));
-    }
-    for (StepOutput& o : (*stream)->Next(std::chrono::milliseconds(50))) {
+    if (const std::string* msg = ended()) return End(r, {grpc::StatusCode::UNAVAILABLE, *msg}, true);  // the drain timed out
+    // Client cancel or deadline: free the sequence.
+    if (ctx->IsCancelled()) return End(r, ClientGone(deadline, "cancelled by the client"), true);
+    for (StepOutput& o : r.stream->Next(std::chrono::milliseconds(50))) {
       v1::GenerateResponse resp;
-      const absl::Time now = absl::Now();
-      for (int32_t t : o.tokens) {
-        resp.add_token_ids(t);
-        const double gap = absl::ToDoubleSeconds(now - last);
-        if (generated++ == 0) {
-          m_ttft_->Observe(gap);
-          const int64_t prefilled = req->prompt_ids_size();
-          outstanding -= prefilled;
-          outstanding_tokens_ -= prefilled;
-        } else {
-          m_itl_->Observe(gap);
-          std::lock_guard<std::mutex> lock(itl_mu_);
-          itl_sum_ += gap;
-          ++itl_count_;
-        }
-        --outstanding;
-        --outstanding_tokens_;
-        last = now;
-      }
-      m_generated_tokens_->Inc(static_cast<double>(o.tokens.size()));
-      if (o.finish == FinishReason::kError) {
-        release_name();
-        m_e2e_->Observe(absl::ToDoubleSeconds(now - arrival));
-        return Finish(ToGrpc(o.error));
-      }
-      if (o.finish == FinishReason::kAborted) {
-        release_name();
-        return Finish({grpc::StatusCode::CANCELLED, "aborted"});
-      }
-      if (o.finish != FinishReason::kNone) {
-        resp.set_finish_reason(ToProto(o.finish));
-        resp.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
-        resp.mutable_usage()->set_completion_tokens(static_cast<int32_t>(o.generated_tokens));
-      }
-      if (!writer->Write(resp)) {  // the client went away
-        loop->Abort(id);
-        release_name();
-        return Finish(ClientGone(*ctx, "stream closed by the client"));
-      }
-      if (o.finish != FinishReason::kNone) {
-        release_name();
-        m_e2e_->Observe(absl::ToDoubleSeconds(now - arrival));
-        return Finish(grpc::Status::OK);
-      }
+      grpc::Status end;
+      const bool last = Take(r, o, &resp, &end);
+      if (last && !end.ok()) return End(r, end, false);
+      if (!writer->Write(resp)) return End(r, ClientGone(deadline, "stream closed by the client"), true);
+      if (last) return End(r, end, false);
     }
   }
 }

@@ -38,6 +38,36 @@ class InferenceService final : public v1::Inference::Service {
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
 
+  // One admitted request, whichever call carries it (Generate, or a stream of TokenStreams).
+  struct Request {
+    ~Request();  // gives back its share of inflight() and outstanding_tokens()
+    InferenceService* service = nullptr;
+    uint64_t id = 0;
+    std::string name;  // request_id; "" if none
+    int32_t prompt_tokens = 0;
+    bool prompt_counted = false;
+    absl::Time arrival, last, deadline;
+    int generated = 0;
+    int64_t outstanding = 0;  // prompt (until the first token) + tokens still to generate
+    std::shared_ptr<TokenStream> stream;
+  };
+  // Checks and queues a request. With a bell, the engine's verdict comes on the stream (see
+  // EngineLoop::AddAsync) and the bell rings after each step that gave the request output.
+  absl::StatusOr<std::unique_ptr<Request>> Admit(const v1::GenerateRequest& req, absl::Time arrival, absl::Time deadline,
+                                                 std::shared_ptr<Bell> bell);
+  // Adds one engine output to `resp` (tokens; finish and usage at the end); true when it ends the
+  // request, with its status in *end (the response is sent only when that is OK).
+  bool Take(Request& r, StepOutput& o, v1::GenerateResponse* resp, grpc::Status* end);
+  // Ends the request with `s`; `abort`: the engine still holds it.
+  grpc::Status End(Request& r, const grpc::Status& s, bool abort);
+  // The message the streams still open end with once a drain timed out; null before.
+  const std::string* ended() const { return end_remaining_ ? &end_message_ : nullptr; }
+  // A request whose client went away: DEADLINE_EXCEEDED when that was its deadline, else
+  // CANCELLED with `what`.
+  static grpc::Status ClientGone(absl::Time deadline, const char* what);
+  // Counts a call's final status.
+  grpc::Status Finish(const grpc::Status& s);
+
   // Drain: new requests get UNAVAILABLE; those in flight go on.
   void SetDraining();
   // The end of a drain: the streams still open end with UNAVAILABLE and this message.
@@ -52,8 +82,6 @@ class InferenceService final : public v1::Inference::Service {
   double TakeMeanItl();
 
  private:
-  grpc::Status Finish(const grpc::Status& s);
-
   const InferenceOptions options_;
   std::atomic<const ModelConfig*> config_{nullptr};
   std::atomic<EngineLoop*> loop_{nullptr};

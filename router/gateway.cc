@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -26,7 +27,82 @@ bool NodeFailure(grpc::StatusCode c) {
   return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::UNKNOWN || c == grpc::StatusCode::INTERNAL;
 }
 
+std::atomic<int> live_readers{0};
+
 }  // namespace
+
+int Multiplexed::live() { return live_readers.load(); }
+
+std::shared_ptr<Multiplexed> Multiplexed::Start(const std::shared_ptr<grpc::Channel>& channel) {
+  std::shared_ptr<Multiplexed> m(new Multiplexed());
+  m->stub_ = v1::TokenStreams::NewStub(channel);
+  auth::AddNodeCredentials(&m->ctx_);
+  m->call_ = m->stub_->Multiplex(&m->ctx_);
+  ++live_readers;
+  std::thread([m] { m->Read(); }).detach();  // it holds the call until every sink has heard
+  return m;
+}
+
+bool Multiplexed::broken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
+bool Multiplexed::Open(v1::StreamOpen open, std::shared_ptr<StreamSink> sink) {
+  std::lock_guard<std::mutex> write_lock(write_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return false;
+    sinks_[open.stream()] = std::move(sink);
+  }
+  v1::MultiplexUp up;
+  *up.add_open() = std::move(open);
+  call_->Write(up);  // a failure ends the call, and the reader tells the sink
+  return true;
+}
+
+void Multiplexed::Cancel(uint64_t stream) {
+  std::lock_guard<std::mutex> write_lock(write_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return;
+    sinks_.erase(stream);
+  }
+  v1::MultiplexUp up;
+  up.add_cancel(stream);
+  call_->Write(up);
+}
+
+void Multiplexed::Read() {
+  v1::MultiplexDown down;
+  while (call_->Read(&down)) {
+    for (v1::StreamChunk& c : *down.mutable_chunks()) {
+      std::shared_ptr<StreamSink> sink;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = sinks_.find(c.stream());
+        if (it == sinks_.end()) continue;  // cancelled meanwhile
+        sink = it->second;
+        if (c.end()) sinks_.erase(it);
+      }
+      sink->OnChunk(c);
+    }
+  }
+  std::map<uint64_t, std::shared_ptr<StreamSink>> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = true;
+    orphans.swap(sinks_);
+  }
+  grpc::Status s;
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);  // no write in flight, none to follow
+    s = call_->Finish();
+  }
+  if (s.ok()) s = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the node closed the stream call");
+  for (auto& [id, sink] : orphans) sink->OnBroken(s);
+  --live_readers;
+}
 
 Gateway::Node::~Node() {
   stop_watch = true;
@@ -35,10 +111,20 @@ Gateway::Node::~Node() {
     if (watch_ctx != nullptr) watch_ctx->TryCancel();
   }
   if (watcher.joinable()) watcher.join();
+  std::lock_guard<std::mutex> lock(calls_mu);
+  for (auto& c : calls)
+    if (c) c->Close();
+}
+
+std::shared_ptr<Multiplexed> Gateway::Node::Stream() {
+  std::lock_guard<std::mutex> lock(calls_mu);
+  const size_t i = next_call++ % calls.size();
+  if (!calls[i] || calls[i]->broken()) calls[i] = Multiplexed::Start(channels[i]);
+  return calls[i];
 }
 
 void Gateway::Node::Watch() {
-  auto health = grpc::health::v1::Health::NewStub(channel);
+  auto health = grpc::health::v1::Health::NewStub(channels[0]);
   while (!stop_watch) {
     grpc::ClientContext ctx;
     {
@@ -73,6 +159,12 @@ Gateway::Gateway(GatewayOptions options, metrics::Registry& reg)
 Gateway::~Gateway() {
   Stop();
   refresher_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    nodes_.clear();  // closes their calls
+  }
+  // The calls' readers end once their cancellation is through.
+  for (int i = 0; i < 200 && Multiplexed::live() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 void Gateway::Stop() {
@@ -122,10 +214,10 @@ void Gateway::Refresh() {
           for (int c = 0; c < std::max(1, options_.connections); ++c) {
             grpc::ChannelArguments args;
             args.SetInt("k3serve.connection", c);  // distinct arguments: a connection of its own
-            auto channel = grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args);
-            if (c == 0) n->channel = channel;
-            n->stubs.push_back(v1::Inference::NewStub(channel));
+            n->channels.push_back(grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args));
           }
+          n->stub = v1::Inference::NewStub(n->channels[0]);
+          n->calls.resize(n->channels.size());
           Node* raw = n.get();
           n->watcher = std::thread([raw] { raw->Watch(); });
         }
@@ -179,64 +271,258 @@ grpc::Status Gateway::Done(const grpc::Status& s) {
   return s;
 }
 
-grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                               grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Done(s);
-  m_inflight_->Inc();
-  struct Dec {
-    metrics::Gauge* g;
-    ~Dec() { g->Dec(); }
-  } dec{m_inflight_};
-  std::set<std::string> tried;
-  grpc::Status last(grpc::StatusCode::UNAVAILABLE, "no attention node is serving");
-  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
-    std::shared_ptr<Node> node = Pick(tried, absl::Now());
-    if (!node) break;
-    tried.insert(node->id);
-    if (attempt > 0) m_retries_->Inc();
-    if (!req->request_id().empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      by_request_id_[req->request_id()] = node;
+// One client stream: forwarded over a node's multiplexed call; tokens that arrive while a write
+// to the client is in flight go out together in the next one.
+class Gateway::Call final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                            public StreamSink,
+                            public std::enable_shared_from_this<Call> {
+ public:
+  Call(Gateway* gw, grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req) : gw_(gw) {
+    const auto& md = ctx->client_metadata();
+    if (auto it = md.find("authorization"); it != md.end()) open_.set_authorization(std::string(it->second.data(), it->second.size()));
+    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+      deadline_ = absl::FromChrono(ctx->deadline());
+      open_.set_deadline_unix_micros(absl::ToUnixMicros(deadline_));
     }
-    // The client's deadline and cancellation reach the node with the call.
-    std::unique_ptr<grpc::ClientContext> up = Upstream(*ctx);
-    auto reader = node->stub().Generate(up.get(), *req);
-    bool sent = false;  // something reached the client: no retry from here on
-    v1::GenerateResponse resp;
-    bool client_gone = false;
-    while (reader->Read(&resp)) {
-      sent = true;
-      if (!writer->Write(resp)) {
-        client_gone = true;
-        up->TryCancel();
-        break;
+    *open_.mutable_request() = req;
+  }
+
+  void Start(std::shared_ptr<Call> self) {
+    self_ = std::move(self);
+    gw_->m_inflight_->Inc();
+    if (grpc::Status s = auth::CheckApiKey(open_.authorization()); !s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      EndWith(s);
+      return;
+    }
+    Attempt();
+  }
+
+  void OnChunk(v1::StreamChunk& c) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (c.stream() != stream_) return;
+      const v1::GenerateResponse& r = c.response();
+      if (r.token_ids_size() > 0 || r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+        sent_ = true;
+        pending_.mutable_token_ids()->Add(r.token_ids().begin(), r.token_ids().end());
+        if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+          pending_.set_finish_reason(r.finish_reason());
+          *pending_.mutable_usage() = r.usage();
+        }
+        has_pending_ = true;
+        Flush();
       }
     }
-    const grpc::Status s = reader->Finish();
-    Release(node);
-    if (!req->request_id().empty()) {
+    if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()), c.stream());
+  }
+
+  void OnBroken(const grpc::Status& s) override { Ended(s, 0); }
+
+  void OnWriteDone(bool ok) override {
+    std::shared_ptr<Multiplexed> call;
+    std::shared_ptr<Node> node;
+    uint64_t stream = 0;
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = by_request_id_.find(req->request_id());
-      if (it != by_request_id_.end() && it->second == node) by_request_id_.erase(it);
+      in_write_ = false;
+      if (ok) {
+        Flush();
+        return;
+      }
+      // The client went away: the node frees the request.
+      has_pending_ = false;
+      EndWith({grpc::StatusCode::CANCELLED, "stream closed by the client"});
+      call = std::move(call_);
+      node = std::move(node_);
+      stream = stream_;
     }
-    if (client_gone) return Done({grpc::StatusCode::CANCELLED, "stream closed by the client"});
-    if (s.ok() || ctx->IsCancelled() || !NodeFailure(s.error_code())) return Done(s);
-    if (sent)
-      return Done({grpc::StatusCode::UNAVAILABLE,
-                   absl::StrCat("attention node ", node->id, " (", node->address, ") failed after the first token: ",
-                                s.error_message())});
+    if (call) call->Cancel(stream);
+    if (node) Leave(node);
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<Multiplexed> call;
+    std::shared_ptr<Node> node;
+    uint64_t stream = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      has_pending_ = false;
+      if (deadline_ <= absl::Now() + absl::Milliseconds(500)) {
+        EndWith({grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"});
+      } else {
+        EndWith({grpc::StatusCode::CANCELLED, "cancelled by the client"});
+      }
+      call = std::move(call_);
+      node = std::move(node_);
+      stream = stream_;
+    }
+    if (call) call->Cancel(stream);
+    if (node) Leave(node);
+  }
+
+  void OnDone() override {
+    gw_->m_inflight_->Dec();
+    std::shared_ptr<Multiplexed> call;
+    std::shared_ptr<Node> node;
+    std::shared_ptr<Call> self;
+    uint64_t stream = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      call = std::move(call_);
+      node = std::move(node_);
+      stream = stream_;
+      self.swap(self_);
+    }
+    if (call) call->Cancel(stream);
+    if (node) Leave(node);
+  }  // `self` may free this: the last reference unless a call's reader still holds one
+
+ private:
+  // Sends the request to the best node not tried yet; without one, the call ends.
+  void Attempt() {
+    while (true) {
+      std::shared_ptr<Node> node;
+      if (attempts_ < gw_->options_.max_attempts) node = gw_->Pick(tried_, absl::Now());
+      if (!node) {
+        std::lock_guard<std::mutex> lock(mu_);
+        EndWith({grpc::StatusCode::UNAVAILABLE,
+                 tried_.empty() ? std::string("no attention node is serving")
+                                : absl::StrCat("tried ", tried_.size(), " attention node(s); last: ", last_.error_message())});
+        return;
+      }
+      if (attempts_++ > 0) gw_->m_retries_->Inc();
+      tried_.insert(node->id);
+      const std::string& name = open_.request().request_id();
+      if (!name.empty()) {
+        std::lock_guard<std::mutex> lock(gw_->mu_);
+        gw_->by_request_id_[name] = node;
+      }
+      std::shared_ptr<Multiplexed> call = node->Stream();
+      const uint64_t stream = gw_->next_stream_++;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (cancelled_) {  // the call has ended meanwhile
+          Leave(node);
+          return;
+        }
+        node_ = node;
+        call_ = call;
+        stream_ = stream;
+      }
+      open_.set_stream(stream);
+      if (call->Open(open_, shared_from_this())) {
+        bool cancelled;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          cancelled = cancelled_;
+        }
+        if (cancelled) call->Cancel(stream);  // the cancel may have gone out before the open
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        node_.reset();
+        call_.reset();
+      }
+      Leave(node);
+      last_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("attention node ", node->id, " (", node->address, "): its stream call ended"));
+    }
+  }
+
+  // The node ended the stream (`stream`), or the call carrying it (0): the client gets the status,
+  // or, while no token has reached it, another node gets the request.
+  void Ended(const grpc::Status& s, uint64_t stream) {
+    std::shared_ptr<Node> node;
+    bool sent;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stream != 0 && stream != stream_) return;
+      if (cancelled_ || finished_ || end_) return;
+      node = std::move(node_);
+      call_.reset();
+      stream_ = 0;
+      sent = sent_;
+      if (s.ok() || !NodeFailure(s.error_code())) {
+        EndWith(s);
+      } else if (sent) {
+        EndWith({grpc::StatusCode::UNAVAILABLE, absl::StrCat("attention node ", node->id, " (", node->address,
+                                                             ") failed after the first token: ", s.error_message())});
+      }
+    }
+    if (node) Leave(node);
+    if (s.ok() || !NodeFailure(s.error_code()) || sent || !node) return;
     // Nothing reached the client yet: the request may go to another node.
     std::fprintf(stderr, "k3serve-gateway: %s (%s) failed before the first token: %s; trying another node\n",
                  node->id.c_str(), node->address.c_str(), s.error_message().c_str());
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(gw_->mu_);
       node->down_until = absl::Now() + absl::Seconds(1);
     }
-    last = grpc::Status(s.error_code(), absl::StrCat("attention node ", node->id, " (", node->address, "): ", s.error_message()));
+    last_ = grpc::Status(s.error_code(), absl::StrCat("attention node ", node->id, " (", node->address, "): ", s.error_message()));
+    Attempt();
   }
-  return Done({grpc::StatusCode::UNAVAILABLE,
-               tried.empty() ? std::string("no attention node is serving")
-                             : absl::StrCat("tried ", tried.size(), " attention node(s); last: ", last.error_message())});
+
+  // Under mu_: the call's status, sent once the writes before it are through.
+  void EndWith(const grpc::Status& s) {
+    if (end_ || finished_) return;
+    end_ = gw_->Done(s);
+    Flush();
+  }
+
+  // Under mu_: the next write to the client, or the finish.
+  void Flush() {
+    if (finished_ || in_write_) return;
+    if (has_pending_) {
+      writing_.Swap(&pending_);
+      pending_.Clear();
+      has_pending_ = false;
+      in_write_ = true;
+      StartWrite(&writing_);
+      return;
+    }
+    if (end_) {
+      finished_ = true;
+      Finish(*end_);
+    }
+  }
+
+  // The node no longer carries this stream.
+  void Leave(const std::shared_ptr<Node>& node) {
+    gw_->Release(node);
+    const std::string& name = open_.request().request_id();
+    if (name.empty()) return;
+    std::lock_guard<std::mutex> lock(gw_->mu_);
+    auto it = gw_->by_request_id_.find(name);
+    if (it != gw_->by_request_id_.end() && it->second == node) gw_->by_request_id_.erase(it);
+  }
+
+  Gateway* const gw_;
+  v1::StreamOpen open_;  // the request as it goes to a node
+  absl::Time deadline_ = absl::InfiniteFuture();
+  // Attempts run one at a time (the start, then the end of the previous one).
+  std::set<std::string> tried_;
+  int attempts_ = 0;
+  grpc::Status last_;
+
+  std::mutex mu_;
+  std::shared_ptr<Call> self_;            // until OnDone
+  std::shared_ptr<Node> node_;            // the node of the attempt in flight
+  std::shared_ptr<Multiplexed> call_;     // and the call that carries it
+  uint64_t stream_ = 0;                   // its stream id on that call
+  bool sent_ = false;                     // tokens reached the client: no retry from here on
+  bool cancelled_ = false;
+  v1::GenerateResponse pending_, writing_;
+  bool has_pending_ = false, in_write_ = false, finished_ = false;
+  std::optional<grpc::Status> end_;
+};
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* Gateway::Generate(grpc::CallbackServerContext* ctx,
+                                                                  const v1::GenerateRequest* req) {
+  auto call = std::make_shared<Call>(this, ctx, *req);
+  call->Start(call);
+  return call.get();
 }
 
 grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) {
@@ -257,7 +543,7 @@ grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* re
   for (auto& n : targets) {
     auto up = Upstream(*ctx);
     v1::AbortResponse r;
-    if (n->stub().Abort(up.get(), *req, &r).ok() && r.found()) {
+    if (n->stub->Abort(up.get(), *req, &r).ok() && r.found()) {
       resp->set_found(true);
       break;
     }
@@ -274,7 +560,7 @@ grpc::Status Gateway::GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelI
     if (!node) break;
     tried.insert(node->id);
     auto up = Upstream(*ctx);
-    last = node->stub().GetModelInfo(up.get(), *req, resp);
+    last = node->stub->GetModelInfo(up.get(), *req, resp);
     Release(node);
     if (last.ok() || !NodeFailure(last.error_code())) return last;
   }
