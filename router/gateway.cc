@@ -1,8 +1,11 @@
 #include "router/gateway.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <optional>
+
+#include <grpcpp/alarm.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -27,82 +30,7 @@ bool NodeFailure(grpc::StatusCode c) {
   return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::UNKNOWN || c == grpc::StatusCode::INTERNAL;
 }
 
-std::atomic<int> live_readers{0};
-
 }  // namespace
-
-int Multiplexed::live() { return live_readers.load(); }
-
-std::shared_ptr<Multiplexed> Multiplexed::Start(const std::shared_ptr<grpc::Channel>& channel) {
-  std::shared_ptr<Multiplexed> m(new Multiplexed());
-  m->stub_ = v1::TokenStreams::NewStub(channel);
-  auth::AddNodeCredentials(&m->ctx_);
-  m->call_ = m->stub_->Multiplex(&m->ctx_);
-  ++live_readers;
-  std::thread([m] { m->Read(); }).detach();  // it holds the call until every sink has heard
-  return m;
-}
-
-bool Multiplexed::broken() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return broken_;
-}
-
-bool Multiplexed::Open(v1::StreamOpen open, std::shared_ptr<StreamSink> sink) {
-  std::lock_guard<std::mutex> write_lock(write_mu_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return false;
-    sinks_[open.stream()] = std::move(sink);
-  }
-  v1::MultiplexUp up;
-  *up.add_open() = std::move(open);
-  call_->Write(up);  // a failure ends the call, and the reader tells the sink
-  return true;
-}
-
-void Multiplexed::Cancel(uint64_t stream) {
-  std::lock_guard<std::mutex> write_lock(write_mu_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return;
-    sinks_.erase(stream);
-  }
-  v1::MultiplexUp up;
-  up.add_cancel(stream);
-  call_->Write(up);
-}
-
-void Multiplexed::Read() {
-  v1::MultiplexDown down;
-  while (call_->Read(&down)) {
-    for (v1::StreamChunk& c : *down.mutable_chunks()) {
-      std::shared_ptr<StreamSink> sink;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = sinks_.find(c.stream());
-        if (it == sinks_.end()) continue;  // cancelled meanwhile
-        sink = it->second;
-        if (c.end()) sinks_.erase(it);
-      }
-      sink->OnChunk(c);
-    }
-  }
-  std::map<uint64_t, std::shared_ptr<StreamSink>> orphans;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    broken_ = true;
-    orphans.swap(sinks_);
-  }
-  grpc::Status s;
-  {
-    std::lock_guard<std::mutex> write_lock(write_mu_);  // no write in flight, none to follow
-    s = call_->Finish();
-  }
-  if (s.ok()) s = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the node closed the stream call");
-  for (auto& [id, sink] : orphans) sink->OnBroken(s);
-  --live_readers;
-}
 
 Gateway::Node::~Node() {
   stop_watch = true;
@@ -111,16 +39,6 @@ Gateway::Node::~Node() {
     if (watch_ctx != nullptr) watch_ctx->TryCancel();
   }
   if (watcher.joinable()) watcher.join();
-  std::lock_guard<std::mutex> lock(calls_mu);
-  for (auto& c : calls)
-    if (c) c->Close();
-}
-
-std::shared_ptr<Multiplexed> Gateway::Node::Stream() {
-  std::lock_guard<std::mutex> lock(calls_mu);
-  const size_t i = next_call++ % calls.size();
-  if (!calls[i] || calls[i]->broken()) calls[i] = Multiplexed::Start(channels[i]);
-  return calls[i];
 }
 
 void Gateway::Node::Watch() {
@@ -159,17 +77,6 @@ Gateway::Gateway(GatewayOptions options, metrics::Registry& reg)
 Gateway::~Gateway() {
   Stop();
   refresher_.join();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    nodes_.clear();  // closes their calls
-  }
-  // The calls' readers end once their cancellation is through.
-  for (int i = 0; i < 200 && Multiplexed::live() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-}
-
-void Gateway::Stop() {
-  std::lock_guard<std::mutex> lock(mu_);
-  stopping_ = true;
 }
 
 int Gateway::serving_nodes() {
@@ -217,7 +124,6 @@ void Gateway::Refresh() {
             n->channels.push_back(grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args));
           }
           n->stub = v1::Inference::NewStub(n->channels[0]);
-          n->calls.resize(n->channels.size());
           Node* raw = n.get();
           n->watcher = std::thread([raw] { raw->Watch(); });
         }
@@ -271,122 +177,205 @@ grpc::Status Gateway::Done(const grpc::Status& s) {
   return s;
 }
 
-// One client stream: forwarded over a node's multiplexed call; tokens that arrive while a write
-// to the client is in flight go out together in the next one.
-class Gateway::Call final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
-                            public StreamSink,
-                            public std::enable_shared_from_this<Call> {
+// A completion-queue tag: what to do once its operation completes (`ok` as Next says).
+struct Gateway::Event {
+  virtual ~Event() = default;
+  virtual void Done(bool ok) = 0;
+};
+
+template <class T>
+struct Gateway::On final : Gateway::Event {
+  On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
+  void Done(bool ok) override { (self->*fn)(ok); }
+  T* self;
+  void (T::*fn)(bool);
+};
+
+// One TokenStreams.Multiplex call to a node, carrying many Calls' streams. Broken for good once
+// it fails (the next stream to the node opens a new one); it deletes itself once its operations
+// are through. Loop thread only.
+class Gateway::Mux {
  public:
-  Call(Gateway* gw, grpc::CallbackServerContext* ctx, const v1::GenerateRequest& req) : gw_(gw) {
-    const auto& md = ctx->client_metadata();
-    if (auto it = md.find("authorization"); it != md.end()) open_.set_authorization(std::string(it->second.data(), it->second.size()));
-    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
-      deadline_ = absl::FromChrono(ctx->deadline());
-      open_.set_deadline_unix_micros(absl::ToUnixMicros(deadline_));
+  Mux(Gateway* gw, std::shared_ptr<Node> node, size_t connection) : gw_(gw), node_(std::move(node)), connection_(connection) {
+    ++gw_->live_muxes_;
+    auth::AddNodeCredentials(&ctx_);
+    rw_ = v1::TokenStreams::NewStub(node_->channels[connection_])->PrepareAsyncMultiplex(&ctx_, gw_->cq_.get());
+    rw_->StartCall(&started_);
+  }
+  ~Mux() { --gw_->live_muxes_; }
+
+  // Queues the stream's request; false when this call is broken.
+  bool Open(Call* call, const v1::StreamOpen& open);
+  // The node frees the stream; the Call hears nothing more of it.
+  void Cancel(uint64_t stream) {
+    if (streams_.erase(stream) == 0 || broken_) return;
+    queued_.add_cancel(stream);
+    Send();
+  }
+  bool broken() const { return broken_; }
+  void Close() { ctx_.TryCancel(); }
+
+ private:
+  void Started(bool ok) {
+    if (!ok) {  // no call: Finish says why
+      Fail();
+      rw_->Finish(&status_, &finished_);
+      return;
     }
-    *open_.mutable_request() = req;
+    ready_ = true;
+    reading_ = true;
+    rw_->Read(&down_, &read_);
+    Send();
+  }
+  void ReadDone(bool ok);
+  void WriteDone(bool ok) {
+    writing_ = false;
+    if (finish_done_) {
+      delete this;
+      return;
+    }
+    if (!ok) {  // the read fails too, and then Finish
+      Fail();
+      ctx_.TryCancel();
+    }
+    Send();
+  }
+  void FinishDone(bool);
+  // The next write, of everything queued since the last one.
+  void Send() {
+    if (!ready_ || writing_ || broken_ || (queued_.open_size() == 0 && queued_.cancel_size() == 0)) return;
+    sending_.Swap(&queued_);
+    queued_.Clear();
+    writing_ = true;
+    rw_->Write(sending_, &wrote_);
+  }
+  // No new streams here.
+  void Fail() {
+    if (broken_) return;
+    broken_ = true;
+    auto it = gw_->muxes_.find(node_.get());
+    if (it != gw_->muxes_.end()) {
+      if (it->second[connection_] == this) it->second[connection_] = nullptr;
+      if (std::all_of(it->second.begin(), it->second.end(), [](Mux* m) { return m == nullptr; })) gw_->muxes_.erase(it);
+    }
   }
 
-  void Start(std::shared_ptr<Call> self) {
-    self_ = std::move(self);
+  Gateway* const gw_;
+  const std::shared_ptr<Node> node_;
+  const size_t connection_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriterInterface<v1::MultiplexUp, v1::MultiplexDown>> rw_;
+  On<Mux> started_{this, &Mux::Started}, read_{this, &Mux::ReadDone}, wrote_{this, &Mux::WriteDone},
+      finished_{this, &Mux::FinishDone};
+  bool ready_ = false, reading_ = false, writing_ = false, broken_ = false, finish_done_ = false;
+  v1::MultiplexUp queued_, sending_;
+  v1::MultiplexDown down_;
+  grpc::Status status_;
+  std::map<uint64_t, Call*> streams_;
+};
+
+// One client stream. Its tokens go out as they come; those that arrive while a write to the
+// client is in flight go out together in the next one. Loop thread only; it deletes itself once
+// the call is done and its operations are through.
+class Gateway::Call {
+ public:
+  // Waits for the next Generate.
+  explicit Call(Gateway* gw) : gw_(gw) {
+    ++gw_->live_calls_;
+    ctx_.AsyncNotifyWhenDone(&done_);
+    gw_->RequestGenerate(&ctx_, &req_, &writer_, gw_->cq_.get(), gw_->cq_.get(), &arrived_);
+  }
+  ~Call() {
+    if (arrived_ok_) gw_->m_inflight_->Dec();
+    --gw_->live_calls_;
+  }
+
+  void OnChunk(const v1::StreamChunk& c) {
+    if (c.stream() != stream_) return;
+    const v1::GenerateResponse& r = c.response();
+    if (r.token_ids_size() > 0 || r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      sent_ = true;
+      pending_.mutable_token_ids()->Add(r.token_ids().begin(), r.token_ids().end());
+      if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+        pending_.set_finish_reason(r.finish_reason());
+        *pending_.mutable_usage() = r.usage();
+      }
+      has_pending_ = true;
+      Flush();
+    }
+    if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()));
+  }
+  // The call carrying the stream failed.
+  void OnBroken(const grpc::Status& s) { Ended(s); }
+
+ private:
+  void Arrived(bool ok) {
+    if (!ok) {  // the server is shutting down: no call came
+      delete this;
+      return;
+    }
+    new Call(gw_);  // for the next one
+    arrived_ok_ = true;
     gw_->m_inflight_->Inc();
+    const auto& md = ctx_.client_metadata();
+    if (auto it = md.find("authorization"); it != md.end()) open_.set_authorization(std::string(it->second.data(), it->second.size()));
+    if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) {
+      deadline_ = absl::FromChrono(ctx_.deadline());
+      open_.set_deadline_unix_micros(absl::ToUnixMicros(deadline_));
+    }
+    open_.mutable_request()->Swap(&req_);
     if (grpc::Status s = auth::CheckApiKey(open_.authorization()); !s.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
       EndWith(s);
       return;
     }
     Attempt();
   }
 
-  void OnChunk(v1::StreamChunk& c) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (c.stream() != stream_) return;
-      const v1::GenerateResponse& r = c.response();
-      if (r.token_ids_size() > 0 || r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-        sent_ = true;
-        pending_.mutable_token_ids()->Add(r.token_ids().begin(), r.token_ids().end());
-        if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-          pending_.set_finish_reason(r.finish_reason());
-          *pending_.mutable_usage() = r.usage();
-        }
-        has_pending_ = true;
-        Flush();
-      }
-    }
-    if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()), c.stream());
-  }
-
-  void OnBroken(const grpc::Status& s) override { Ended(s, 0); }
-
-  void OnWriteDone(bool ok) override {
-    std::shared_ptr<Multiplexed> call;
-    std::shared_ptr<Node> node;
-    uint64_t stream = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_write_ = false;
-      if (ok) {
-        Flush();
-        return;
-      }
-      // The client went away: the node frees the request.
+  void WriteDone(bool ok) {
+    writing_ = false;
+    if (!ok) {  // the client went away: the node frees the request
       has_pending_ = false;
+      Drop();
       EndWith({grpc::StatusCode::CANCELLED, "stream closed by the client"});
-      call = std::move(call_);
-      node = std::move(node_);
-      stream = stream_;
     }
-    if (call) call->Cancel(stream);
-    if (node) Leave(node);
+    Flush();
+    MaybeDelete();
   }
 
-  void OnCancel() override {
-    std::shared_ptr<Multiplexed> call;
-    std::shared_ptr<Node> node;
-    uint64_t stream = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+  void FinishDone(bool) {
+    finish_done_ = true;
+    MaybeDelete();
+  }
+
+  // The call is over: finished, or cancelled by the client or its deadline.
+  void CallDone(bool) {
+    call_done_ = true;
+    if (ctx_.IsCancelled()) {
       cancelled_ = true;
       has_pending_ = false;
+      Drop();
       if (deadline_ <= absl::Now() + absl::Milliseconds(500)) {
         EndWith({grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"});
       } else {
         EndWith({grpc::StatusCode::CANCELLED, "cancelled by the client"});
       }
-      call = std::move(call_);
-      node = std::move(node_);
-      stream = stream_;
     }
-    if (call) call->Cancel(stream);
-    if (node) Leave(node);
+    MaybeDelete();
   }
 
-  void OnDone() override {
-    gw_->m_inflight_->Dec();
-    std::shared_ptr<Multiplexed> call;
-    std::shared_ptr<Node> node;
-    std::shared_ptr<Call> self;
-    uint64_t stream = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      call = std::move(call_);
-      node = std::move(node_);
-      stream = stream_;
-      self.swap(self_);
-    }
-    if (call) call->Cancel(stream);
-    if (node) Leave(node);
-  }  // `self` may free this: the last reference unless a call's reader still holds one
+  void MaybeDelete() {
+    if (!call_done_ || writing_) return;
+    if (arrived_ok_ && !finish_done_) return;
+    if (mux_ != nullptr || node_ != nullptr) Drop();
+    delete this;
+  }
 
- private:
   // Sends the request to the best node not tried yet; without one, the call ends.
   void Attempt() {
     while (true) {
       std::shared_ptr<Node> node;
-      if (attempts_ < gw_->options_.max_attempts) node = gw_->Pick(tried_, absl::Now());
+      if (attempts_ < gw_->options_.max_attempts && !gw_->closing_ && !cancelled_) node = gw_->Pick(tried_, absl::Now());
       if (!node) {
-        std::lock_guard<std::mutex> lock(mu_);
         EndWith({grpc::StatusCode::UNAVAILABLE,
                  tried_.empty() ? std::string("no attention node is serving")
                                 : absl::StrCat("tried ", tried_.size(), " attention node(s); last: ", last_.error_message())});
@@ -399,60 +388,37 @@ class Gateway::Call final : public grpc::ServerWriteReactor<v1::GenerateResponse
         std::lock_guard<std::mutex> lock(gw_->mu_);
         gw_->by_request_id_[name] = node;
       }
-      std::shared_ptr<Multiplexed> call = node->Stream();
-      const uint64_t stream = gw_->next_stream_++;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (cancelled_) {  // the call has ended meanwhile
-          Leave(node);
-          return;
-        }
-        node_ = node;
-        call_ = call;
-        stream_ = stream;
-      }
-      open_.set_stream(stream);
-      if (call->Open(open_, shared_from_this())) {
-        bool cancelled;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          cancelled = cancelled_;
-        }
-        if (cancelled) call->Cancel(stream);  // the cancel may have gone out before the open
+      Mux* mux = gw_->MuxFor(node);
+      stream_ = gw_->next_stream_++;
+      open_.set_stream(stream_);
+      if (mux->Open(this, open_)) {
+        node_ = std::move(node);
+        mux_ = mux;
         return;
       }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        node_.reset();
-        call_.reset();
-      }
       Leave(node);
-      last_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("attention node ", node->id, " (", node->address, "): its stream call ended"));
+      last_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                           absl::StrCat("attention node ", node->id, " (", node->address, "): its stream call failed"));
     }
   }
 
-  // The node ended the stream (`stream`), or the call carrying it (0): the client gets the status,
-  // or, while no token has reached it, another node gets the request.
-  void Ended(const grpc::Status& s, uint64_t stream) {
-    std::shared_ptr<Node> node;
-    bool sent;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stream != 0 && stream != stream_) return;
-      if (cancelled_ || finished_ || end_) return;
-      node = std::move(node_);
-      call_.reset();
-      stream_ = 0;
-      sent = sent_;
-      if (s.ok() || !NodeFailure(s.error_code())) {
-        EndWith(s);
-      } else if (sent) {
-        EndWith({grpc::StatusCode::UNAVAILABLE, absl::StrCat("attention node ", node->id, " (", node->address,
-                                                             ") failed after the first token: ", s.error_message())});
-      }
-    }
+  // The node ended the stream, or the call carrying it failed: the client gets the status, or,
+  // while no token has reached it, another node gets the request.
+  void Ended(const grpc::Status& s) {
+    std::shared_ptr<Node> node = std::move(node_);
+    mux_ = nullptr;
+    stream_ = 0;
     if (node) Leave(node);
-    if (s.ok() || !NodeFailure(s.error_code()) || sent || !node) return;
+    if (cancelled_ || end_ || !node) return;
+    if (s.ok() || !NodeFailure(s.error_code())) {
+      EndWith(s);
+      return;
+    }
+    if (sent_) {
+      EndWith({grpc::StatusCode::UNAVAILABLE, absl::StrCat("attention node ", node->id, " (", node->address,
+                                                           ") failed after the first token: ", s.error_message())});
+      return;
+    }
     // Nothing reached the client yet: the request may go to another node.
     std::fprintf(stderr, "k3serve-gateway: %s (%s) failed before the first token: %s; trying another node\n",
                  node->id.c_str(), node->address.c_str(), s.error_message().c_str());
@@ -464,27 +430,36 @@ class Gateway::Call final : public grpc::ServerWriteReactor<v1::GenerateResponse
     Attempt();
   }
 
-  // Under mu_: the call's status, sent once the writes before it are through.
+  // The client is gone: the node frees the stream.
+  void Drop() {
+    if (mux_ != nullptr) mux_->Cancel(stream_);
+    mux_ = nullptr;
+    stream_ = 0;
+    if (node_) Leave(node_);
+    node_.reset();
+  }
+
+  // The call's status, sent once the writes before it are through.
   void EndWith(const grpc::Status& s) {
-    if (end_ || finished_) return;
+    if (end_) return;
     end_ = gw_->Done(s);
     Flush();
   }
 
-  // Under mu_: the next write to the client, or the finish.
+  // The next write to the client, or the finish.
   void Flush() {
-    if (finished_ || in_write_) return;
-    if (has_pending_) {
-      writing_.Swap(&pending_);
+    if (finishing_ || writing_) return;
+    if (has_pending_ && !cancelled_) {
+      writing_msg_.Swap(&pending_);
       pending_.Clear();
       has_pending_ = false;
-      in_write_ = true;
-      StartWrite(&writing_);
+      writing_ = true;
+      writer_.Write(writing_msg_, &wrote_);
       return;
     }
     if (end_) {
-      finished_ = true;
-      Finish(*end_);
+      finishing_ = true;
+      writer_.Finish(*end_, &finished_);
     }
   }
 
@@ -499,30 +474,111 @@ class Gateway::Call final : public grpc::ServerWriteReactor<v1::GenerateResponse
   }
 
   Gateway* const gw_;
+  grpc::ServerContext ctx_;
+  v1::GenerateRequest req_;
+  grpc::ServerAsyncWriter<v1::GenerateResponse> writer_{&ctx_};
+  On<Call> arrived_{this, &Call::Arrived}, wrote_{this, &Call::WriteDone}, finished_{this, &Call::FinishDone},
+      done_{this, &Call::CallDone};
+  bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
+
   v1::StreamOpen open_;  // the request as it goes to a node
   absl::Time deadline_ = absl::InfiniteFuture();
-  // Attempts run one at a time (the start, then the end of the previous one).
   std::set<std::string> tried_;
   int attempts_ = 0;
   grpc::Status last_;
-
-  std::mutex mu_;
-  std::shared_ptr<Call> self_;            // until OnDone
-  std::shared_ptr<Node> node_;            // the node of the attempt in flight
-  std::shared_ptr<Multiplexed> call_;     // and the call that carries it
-  uint64_t stream_ = 0;                   // its stream id on that call
-  bool sent_ = false;                     // tokens reached the client: no retry from here on
+  std::shared_ptr<Node> node_;  // the node of the attempt in flight
+  Mux* mux_ = nullptr;          // and the call that carries it
+  uint64_t stream_ = 0;         // its stream id on that call
+  bool sent_ = false;           // tokens reached the client: no retry from here on
   bool cancelled_ = false;
-  v1::GenerateResponse pending_, writing_;
-  bool has_pending_ = false, in_write_ = false, finished_ = false;
+  v1::GenerateResponse pending_, writing_msg_;
+  bool has_pending_ = false, writing_ = false, finishing_ = false;
   std::optional<grpc::Status> end_;
 };
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* Gateway::Generate(grpc::CallbackServerContext* ctx,
-                                                                  const v1::GenerateRequest* req) {
-  auto call = std::make_shared<Call>(this, ctx, *req);
-  call->Start(call);
-  return call.get();
+bool Gateway::Mux::Open(Call* call, const v1::StreamOpen& open) {
+  if (broken_) return false;
+  streams_[open.stream()] = call;
+  *queued_.add_open() = open;
+  Send();
+  return true;
+}
+
+void Gateway::Mux::ReadDone(bool ok) {
+  reading_ = false;
+  if (!ok) {  // the call is over: Finish says why
+    Fail();
+    rw_->Finish(&status_, &finished_);
+    return;
+  }
+  for (const v1::StreamChunk& c : down_.chunks()) {
+    auto it = streams_.find(c.stream());
+    if (it == streams_.end()) continue;  // cancelled meanwhile
+    Call* call = it->second;
+    if (c.end()) streams_.erase(it);
+    call->OnChunk(c);
+  }
+  if (broken_) return;  // (a Call's retry cannot break this one; Close can)
+  reading_ = true;
+  rw_->Read(&down_, &read_);
+}
+
+void Gateway::Mux::FinishDone(bool) {
+  // Whatever ended the call carrying them, the streams did not end by the node's judgement.
+  if (!NodeFailure(status_.error_code()))
+    status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                           absl::StrCat("the stream call to the node ended (", CodeName(status_.error_code()), ": ",
+                                        status_.error_message(), ")"));
+  std::map<uint64_t, Call*> orphans;
+  orphans.swap(streams_);
+  for (auto& [id, call] : orphans) call->OnBroken(status_);
+  finish_done_ = true;
+  if (!writing_) delete this;  // else once the write's completion is in
+}
+
+void Gateway::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
+  cq_ = std::move(cq);
+  new Call(this);
+  loop_ = std::thread([this] { Loop(); });
+}
+
+void Gateway::Loop() {
+  void* tag;
+  bool ok;
+  while (cq_->Next(&tag, &ok)) static_cast<Event*>(tag)->Done(ok);
+}
+
+Gateway::Mux* Gateway::MuxFor(const std::shared_ptr<Node>& n) {
+  std::vector<Mux*>& per_connection = muxes_[n.get()];
+  if (per_connection.empty()) per_connection.resize(n->channels.size());
+  Mux*& m = per_connection[next_mux_++ % per_connection.size()];
+  if (m == nullptr) m = new Mux(this, n, &m - per_connection.data());
+  return m;
+}
+
+void Gateway::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (cq_ == nullptr) return;
+  // On the loop thread: no new calls to the nodes, and those open end.
+  struct CloseAll final : Event {
+    explicit CloseAll(Gateway* gw) : gw(gw) {}
+    void Done(bool) override {
+      gw->closing_ = true;
+      for (auto& [node, per_connection] : gw->muxes_)
+        for (Mux* m : per_connection)
+          if (m != nullptr) m->Close();
+    }
+    Gateway* gw;
+  } close_all(this);
+  grpc::Alarm alarm;
+  alarm.Set(cq_.get(), gpr_now(GPR_CLOCK_REALTIME), &close_all);
+  for (int i = 0; i < 500 && (live_muxes_ > 0 || live_calls_ > 0); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  cq_->Shutdown();
+  loop_.join();
 }
 
 grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) {

@@ -5,8 +5,9 @@
 // picks a node that is draining or not SERVING.
 //
 // Streams reach a node multiplexed (k3serve.v1.TokenStreams): one call per connection carries
-// all of them, one message per engine step, so forwarding costs gRPC's per-message work once per
-// step on the node side; each client stream is a callback reactor (no thread of its own).
+// all of them, one message per engine step, so the node pays gRPC's per-message work once per
+// step rather than per token and stream. The client streams and those calls are asynchronous, on
+// one completion queue that one thread serves: forwarding a token hops no thread.
 #pragma once
 
 #include <atomic>
@@ -40,71 +41,35 @@ struct GatewayOptions {
   int connections = 1;   // per attention node, each carrying one multiplexed call
 };
 
-// What a forwarded stream hears from the call that carries it.
-class StreamSink {
- public:
-  virtual ~StreamSink() = default;
-  virtual void OnChunk(v1::StreamChunk& chunk) = 0;   // tokens, and at its end the stream's status
-  virtual void OnBroken(const grpc::Status& s) = 0;  // the call to the node ended first
-};
-
-// One TokenStreams.Multiplex call to a node. Broken for good once it ends (a new one replaces it);
-// its reader keeps it alive until it has told every sink.
-class Multiplexed : public std::enable_shared_from_this<Multiplexed> {
- public:
-  static std::shared_ptr<Multiplexed> Start(const std::shared_ptr<grpc::Channel>& channel);
-  // Sends the stream's request; false (and the sink is not kept) when the call is broken. A kept
-  // sink hears its stream's end, or the call's.
-  bool Open(v1::StreamOpen open, std::shared_ptr<StreamSink> sink);
-  // The node frees the stream; the sink hears nothing more.
-  void Cancel(uint64_t stream);
-  bool broken();
-  void Close() { ctx_.TryCancel(); }
-  // Readers still running (the gateway waits for them when it stops).
-  static int live();
-
- private:
-  Multiplexed() = default;
-  void Read();
-
-  grpc::ClientContext ctx_;
-  std::unique_ptr<v1::TokenStreams::Stub> stub_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::MultiplexUp, v1::MultiplexDown>> call_;
-  std::mutex write_mu_;  // one writer at a time; Finish only once no write can follow
-  std::mutex mu_;
-  bool broken_ = false;
-  std::map<uint64_t, std::shared_ptr<StreamSink>> sinks_;
-};
-
-class Gateway final : public v1::Inference::WithCallbackMethod_Generate<v1::Inference::Service> {
+class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inference::Service> {
  public:
   Gateway(GatewayOptions options, metrics::Registry& registry);
   ~Gateway() override;
 
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* ctx,
-                                                           const v1::GenerateRequest* req) override;
+  // Starts serving Generate on `cq` (the server's, from ServerBuilder::AddCompletionQueue).
+  void Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq);
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
 
   // Serving attention nodes known now (the gateway's health follows it).
   int serving_nodes();
+  // After the server's Shutdown: closes the calls to the nodes and stops the completion queue.
   void Stop();
 
  private:
+  struct Event;
+  template <class T>
+  struct On;
   class Call;
+  class Mux;
   struct Node {
     ~Node();
     // Follows the node's grpc.health.v1 Watch: a drain shows here at once, before its next report.
     void Watch();
-    // A live multiplexed call, taken in turn over the node's connections.
-    std::shared_ptr<Multiplexed> Stream();
     std::string id;
     std::string address;
     std::vector<std::shared_ptr<grpc::Channel>> channels;  // one connection each
     std::unique_ptr<v1::Inference::Stub> stub;             // Abort, GetModelInfo
-    std::mutex calls_mu;
-    std::vector<std::shared_ptr<Multiplexed>> calls;  // per connection; null until first used
-    uint32_t next_call = 0;
     bool draining = false;       // as reported
     std::atomic<bool> healthy{false};  // SERVING, as the health watch last said
     std::atomic<bool> stop_watch{false};
@@ -120,6 +85,10 @@ class Gateway final : public v1::Inference::WithCallbackMethod_Generate<v1::Infe
   // The serving node with the least outstanding work, not in `exclude`; counts the stream as open.
   std::shared_ptr<Node> Pick(const std::set<std::string>& exclude, absl::Time now);
   void Release(const std::shared_ptr<Node>& n);
+  // The completion queue's thread: every Call and Mux lives on it.
+  void Loop();
+  // A live multiplexed call to the node, its connections taken in turn (loop thread).
+  Mux* MuxFor(const std::shared_ptr<Node>& n);
   void RefreshLoop();
   void Refresh();
   grpc::Status Done(const grpc::Status& s);
@@ -130,9 +99,17 @@ class Gateway final : public v1::Inference::WithCallbackMethod_Generate<v1::Infe
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Node>> nodes_;          // by node id
   std::map<std::string, std::shared_ptr<Node>> by_request_id_;  // live requests that named themselves
-  std::atomic<uint64_t> next_stream_{1};
   bool stopping_ = false;
   std::thread refresher_;
+
+  // The loop thread's own.
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::thread loop_;
+  std::map<Node*, std::vector<Mux*>> muxes_;  // per connection; null until used (a Mux holds its Node)
+  uint32_t next_mux_ = 0;
+  uint64_t next_stream_ = 1;
+  bool closing_ = false;                      // Stop: no new calls to the nodes
+  std::atomic<int> live_calls_{0}, live_muxes_{0};
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Counter* m_retries_;

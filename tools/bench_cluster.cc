@@ -225,6 +225,23 @@ absl::Status SkewReport(const BenchOptions& o, LocalCluster& cluster, int64_t vo
   return absl::OkStatus();
 }
 
+// Field by field.
+Figures Median(const std::vector<Figures>& runs) {
+  auto median = [&](double Figures::*field) {
+    std::vector<double> v;
+    for (const Figures& f : runs) v.push_back(f.*field);
+    return Percentile(v, 0.5);
+  };
+  Figures m;
+  m.decode_tok_s = median(&Figures::decode_tok_s);
+  m.itl_p50_ms = median(&Figures::itl_p50_ms);
+  m.itl_p99_ms = median(&Figures::itl_p99_ms);
+  m.ttft_p50_ms = median(&Figures::ttft_p50_ms);
+  return m;
+}
+
+constexpr int kPairs = 5;  // direct and gateway runs per repeat
+
 struct Range {
   double lo = 0, hi = 0;
   int n = 0;
@@ -240,6 +257,8 @@ struct Range {
 absl::Status RunClusterBench(const BenchOptions& o) {
   std::printf("bench: %d streams, prompt %d tokens, %d new tokens each, greedy; data plane %s; %d repeat(s)\n", o.streams,
               o.prompt_len, o.max_tokens, o.data_plane.c_str(), o.repeats);
+  std::printf("each repeat: one in-process run; %d direct and %d gateway runs, alternating (their rows: medians)\n", kPairs,
+              kPairs);
   ClusterOptions co;
   co.bin_dir = o.bin_dir;
   co.model = o.model;
@@ -259,15 +278,34 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   }
   const std::string remote_name = absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E");
 
-  Range ratio, overhead, local_tok, remote_tok;
-  const double gateway_cpu0 = CpuSeconds(cluster->gateway().pid());
+  Range ratio, overhead, local_tok, remote_tok, gw_tok, gw_itl;
+  // CPU of the attention nodes and of the gateway, per phase: where forwarding costs.
+  auto attention_cpu = [&] {
+    double s = 0;
+    for (int i = 0; i < o.attention; ++i) s += CpuSeconds(cluster->attention(i).pid());
+    return s;
+  };
+  double direct_attention_cpu = 0, gw_attention_cpu = 0, gateway_cpu = 0;
   for (int rep = 0; rep < std::max(1, o.repeats); ++rep) {
     // Alternating, so that the machine's load changes hit both alike.
     K3_ASSIGN_OR_RETURN(Figures local, InProcess(o));
     K3_ASSIGN_OR_RETURN(DispatchMetrics before, ReadDispatchMetrics(*cluster));
-    K3_ASSIGN_OR_RETURN(Figures remote, Disaggregated(o, *cluster, config.vocab_size, /*via_gateway=*/false));
+    // Direct and through the gateway in pairs, each pair's order the previous one's reversed: one
+    // run lasts a fraction of a second, which the machine's other load moves by tens of percent.
+    // Each row below is the median over the pairs.
+    std::vector<Figures> direct_runs, gateway_runs;
+    for (int pair = 0; pair < kPairs; ++pair) {
+      for (int k = 0; k < 2; ++k) {
+        const bool via_gateway = (k == 0) == (pair % 2 == 1);
+        const double a0 = attention_cpu(), g0 = CpuSeconds(cluster->gateway().pid());
+        K3_ASSIGN_OR_RETURN(Figures f, Disaggregated(o, *cluster, config.vocab_size, via_gateway));
+        (via_gateway ? gw_attention_cpu : direct_attention_cpu) += attention_cpu() - a0;
+        if (via_gateway) gateway_cpu += CpuSeconds(cluster->gateway().pid()) - g0;
+        (via_gateway ? gateway_runs : direct_runs).push_back(f);
+      }
+    }
     K3_ASSIGN_OR_RETURN(DispatchMetrics after, ReadDispatchMetrics(*cluster));
-    K3_ASSIGN_OR_RETURN(Figures gateway, Disaggregated(o, *cluster, config.vocab_size, /*via_gateway=*/true));
+    const Figures remote = Median(direct_runs), gateway = Median(gateway_runs);
     const double rt_n = after.rt_count - before.rt_count, batch_n = after.batch_count - before.batch_count;
     const double stage_n = after.stage_count - before.stage_count;
     const double rt_us = rt_n > 0 ? 1e6 * (after.rt_sum - before.rt_sum) / rt_n : 0.0;
@@ -307,16 +345,21 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     overhead.Add(total - stage_us[3]);
     local_tok.Add(local.decode_tok_s);
     remote_tok.Add(remote.decode_tok_s);
+    if (remote.decode_tok_s > 0) gw_tok.Add(gateway.decode_tok_s / remote.decode_tok_s);
+    if (remote.itl_p50_ms > 0) gw_itl.Add(gateway.itl_p50_ms / remote.itl_p50_ms);
   }
-  const double gateway_tokens = static_cast<double>(std::max(1, o.repeats)) * o.streams * o.max_tokens;
-  const double gateway_cpu = CpuSeconds(cluster->gateway().pid()) - gateway_cpu0;
-  std::printf("\ngateway process CPU: %.2f s for %.0f streamed tokens (%.1f us per token)\n", gateway_cpu, gateway_tokens,
-              1e6 * gateway_cpu / gateway_tokens);
+  // /proc's CPU times tick at 10 ms: over short runs these are coarse.
+  const double tokens = static_cast<double>(std::max(1, o.repeats)) * kPairs * o.streams * o.max_tokens;
+  std::printf("\nCPU per streamed token: direct: attention node(s) %.1f us; through the gateway: attention node(s) %.1f us "
+              "+ gateway %.1f us\n",
+              1e6 * direct_attention_cpu / tokens, 1e6 * gw_attention_cpu / tokens, 1e6 * gateway_cpu / tokens);
   if (o.repeats > 1) {
     std::printf("\nover %d repeats (min - max): in-process %.1f - %.1f tok/s, %s %.1f - %.1f tok/s, ratio %.3f - %.3f, "
                 "overhead %.1f - %.1f us\n",
                 ratio.n, local_tok.lo, local_tok.hi, remote_name.c_str(), remote_tok.lo, remote_tok.hi, ratio.lo, ratio.hi,
                 overhead.lo, overhead.hi);
+    std::printf("gateway / direct over %d repeats (min - max): decode tok/s %.3f - %.3f, ITL p50 %.3f - %.3f\n", gw_tok.n,
+                gw_tok.lo, gw_tok.hi, gw_itl.lo, gw_itl.hi);
   }
   return absl::OkStatus();
 }
