@@ -212,7 +212,6 @@ class Gateway::Mux {
     queued_.add_cancel(stream);
     Send();
   }
-  bool broken() const { return broken_; }
   void Close() { ctx_.TryCancel(); }
 
  private:
@@ -223,7 +222,6 @@ class Gateway::Mux {
       return;
     }
     ready_ = true;
-    reading_ = true;
     rw_->Read(&down_, &read_);
     Send();
   }
@@ -267,7 +265,7 @@ class Gateway::Mux {
   std::unique_ptr<grpc::ClientAsyncReaderWriterInterface<v1::MultiplexUp, v1::MultiplexDown>> rw_;
   On<Mux> started_{this, &Mux::Started}, read_{this, &Mux::ReadDone}, wrote_{this, &Mux::WriteDone},
       finished_{this, &Mux::FinishDone};
-  bool ready_ = false, reading_ = false, writing_ = false, broken_ = false, finish_done_ = false;
+  bool ready_ = false, writing_ = false, broken_ = false, finish_done_ = false;
   v1::MultiplexUp queued_, sending_;
   v1::MultiplexDown down_;
   grpc::Status status_;
@@ -505,7 +503,6 @@ bool Gateway::Mux::Open(Call* call, const v1::StreamOpen& open) {
 }
 
 void Gateway::Mux::ReadDone(bool ok) {
-  reading_ = false;
   if (!ok) {  // the call is over: Finish says why
     Fail();
     rw_->Finish(&status_, &finished_);
@@ -518,9 +515,7 @@ void Gateway::Mux::ReadDone(bool ok) {
     if (c.end()) streams_.erase(it);
     call->OnChunk(c);
   }
-  if (broken_) return;  // (a Call's retry cannot break this one; Close can)
-  reading_ = true;
-  rw_->Read(&down_, &read_);
+  rw_->Read(&down_, &read_);  // also once broken: the read then fails, and Finish follows
 }
 
 void Gateway::Mux::FinishDone(bool) {

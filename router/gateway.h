@@ -109,7 +109,7 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   uint32_t next_mux_ = 0;
   uint64_t next_stream_ = 1;
   bool closing_ = false;                      // Stop: no new calls to the nodes
-  std::atomic<int> live_calls_{0}, live_muxes_{0};
+  std::atomic<int> live_calls_{0}, live_muxes_{0};  // Stop waits for them
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Counter* m_retries_;
