@@ -57,10 +57,12 @@ std::vector<testing::Prompt> GoldenPrompts() {
   return out;
 }
 
-// Streams through the gateway get the golden continuations, spread over both attention nodes;
-// GetModelInfo and Abort pass through.
+// Streams through the gateway get the golden continuations, spread over both attention nodes (two
+// multiplexed calls to each); GetModelInfo and Abort pass through.
 TEST(Gateway, ForwardsSpreadsAndAborts) {
-  auto cluster = LocalCluster::Start(Options(2, 1));
+  ClusterOptions o = Options(2, 1);
+  o.gateway_args = {"--connections=2"};
+  auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const auto prompts = GoldenPrompts();
   ASSERT_FALSE(prompts.empty());
