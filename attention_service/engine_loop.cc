@@ -12,6 +12,7 @@ void Bell::Ring() {
     ++rings_;
   }
   cv_.notify_all();
+  if (on_ring_) on_ring_();
 }
 
 void Bell::Wait(uint64_t* seen, std::chrono::milliseconds timeout) {

@@ -21,6 +21,8 @@ namespace k3 {
 // than once per stream.
 class Bell {
  public:
+  // `on_ring`, if set, runs on the ringing thread after each ring (e.g. to wake a completion queue).
+  explicit Bell(std::function<void()> on_ring = nullptr) : on_ring_(std::move(on_ring)) {}
   void Ring();
   // Waits until rung after `*seen` (the count last seen) or until the timeout; updates *seen.
   void Wait(uint64_t* seen, std::chrono::milliseconds timeout);
@@ -29,6 +31,7 @@ class Bell {
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t rings_ = 0;
+  const std::function<void()> on_ring_;
 };
 
 // The tokens of one request as the engine produces them.

@@ -1,5 +1,9 @@
 #include "attention_service/inference_service.h"
 
+#include <chrono>
+#include <optional>
+#include <vector>
+
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_server.h"
@@ -19,7 +23,30 @@ grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID
 
 }  // namespace
 
-InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg) : options_(std::move(options)) {
+// A completion-queue tag: what to do once its operation completes (`ok` as Next says).
+struct InferenceService::Event {
+  virtual ~Event() = default;
+  virtual void Done(bool ok) = 0;
+};
+
+template <class T>
+struct InferenceService::On final : InferenceService::Event {
+  On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
+  void Done(bool ok) override { (self->*fn)(ok); }
+  T* self;
+  void (T::*fn)(bool);
+};
+
+InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg)
+    : options_(std::move(options)), wake_(std::make_unique<On<InferenceService>>(this, &InferenceService::Wake)) {
+  // Rung by the engine thread after a step that gave a Generate stream output: one alarm wakes
+  // the loop, however many streams got tokens.
+  bell_ = std::make_shared<Bell>([this] {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    if (alarm_set_ || stopped_ || cq_ == nullptr) return;
+    alarm_set_ = true;
+    alarm_.Set(cq_.get(), gpr_time_0(GPR_CLOCK_REALTIME), wake_.get());
+  });
   const auto latency = metrics::ExponentialBuckets(1e-4, 2, 18);  // 0.1 ms .. 13 s
   m_requests_ = metrics::Must(reg.AddCounter("k3serve_requests_total", "Generate requests by final gRPC status.", {"code"}));
   m_ttft_ = &metrics::Must(reg.AddHistogram("k3serve_time_to_first_token_seconds", "From request arrival to its first token.", latency))->WithLabels();
@@ -167,36 +194,182 @@ grpc::Status InferenceService::End(Request& r, const grpc::Status& s, bool abort
   return Finish(s);
 }
 
-grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const absl::Time arrival = absl::Now();
-  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Finish(s);
-  const absl::Time deadline = ctx->deadline() == std::chrono::system_clock::time_point::max()
-                                  ? absl::InfiniteFuture()
-                                  : absl::FromChrono(ctx->deadline());
-  auto admitted = Admit(*req, arrival, deadline, nullptr);
-  if (!admitted.ok()) return Finish(ToGrpc(admitted.status()));
-  Request& r = **admitted;
-  while (true) {
-    if (const std::string* msg = ended()) return End(r, {grpc::StatusCode::UNAVAILABLE, *msg}, true);  // the drain timed out
-    // Client cancel or deadline: free the sequence.
-    if (ctx->IsCancelled()) return End(r, ClientGone(deadline, "cancelled by the client"), true);
-    for (StepOutput& o : r.stream->Next(std::chrono::milliseconds(50))) {
-      v1::GenerateResponse resp;
+// One Generate call. Tokens go out as the engine gives them; those that arrive while a write is in
+// flight go out together in the next one. Loop thread only; it deletes itself once the call is
+// done and its operations are through.
+class InferenceService::Stream {
+ public:
+  // Waits for the next Generate.
+  explicit Stream(InferenceService* s) : s_(s) {
+    ++s_->live_streams_;
+    ctx_.AsyncNotifyWhenDone(&done_);
+    s_->RequestGenerate(&ctx_, &req_, &writer_, s_->cq_.get(), s_->cq_.get(), &arrived_);
+  }
+  ~Stream() { --s_->live_streams_; }
+
+  // After an engine step: what the request got, or the end the drain's timeout gives it.
+  void Pump() {
+    if (const std::string* msg = s_->ended()) {
+      EndRequest({grpc::StatusCode::UNAVAILABLE, *msg}, true);
+      return;
+    }
+    for (StepOutput& o : r_->stream->Next(std::chrono::milliseconds(0))) {
       grpc::Status end;
-      const bool last = Take(r, o, &resp, &end);
-      if (last && !end.ok()) return End(r, end, false);
-      if (!writer->Write(resp)) return End(r, ClientGone(deadline, "stream closed by the client"), true);
-      if (last) return End(r, end, false);
+      const bool last = s_->Take(*r_, o, &pending_, &end);
+      has_pending_ = pending_.token_ids_size() > 0 || pending_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+      if (last) {
+        EndRequest(end, false);
+        return;
+      }
+    }
+    Flush();
+  }
+
+ private:
+  void Arrived(bool ok) {
+    if (!ok) {  // the server is shutting down: no call came
+      delete this;
+      return;
+    }
+    new Stream(s_);  // for the next one
+    arrived_ok_ = true;
+    const absl::Time arrival = absl::Now();
+    if (auto st = auth::RequireApiKey(ctx_); !st.ok()) {
+      EndWith(s_->Finish(st));
+      return;
+    }
+    if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) deadline_ = absl::FromChrono(ctx_.deadline());
+    auto admitted = s_->Admit(req_, arrival, deadline_, s_->bell_);
+    if (!admitted.ok()) {
+      EndWith(s_->Finish(ToGrpc(admitted.status())));
+      return;
+    }
+    r_ = *std::move(admitted);
+    s_->live_.insert(this);
+  }
+
+  // The request is over (counted with `st`); the call ends once what is pending is written.
+  void EndRequest(const grpc::Status& st, bool abort) {
+    s_->live_.erase(this);
+    ended_ = true;
+    EndWith(s_->End(*r_, st, abort));
+  }
+
+  void WriteDone(bool ok) {
+    writing_ = false;
+    if (!ok && !ended_) {  // the client went away: free the sequence
+      has_pending_ = false;
+      EndRequest(ClientGone(deadline_, "stream closed by the client"), true);
+    }
+    Flush();
+    MaybeDelete();
+  }
+
+  void FinishDone(bool) {
+    finish_done_ = true;
+    MaybeDelete();
+  }
+
+  // The call is over: finished, or cancelled by the client or its deadline.
+  void CallDone(bool) {
+    call_done_ = true;
+    if (ctx_.IsCancelled()) {
+      cancelled_ = true;
+      has_pending_ = false;
+      if (r_ && !ended_) EndRequest(ClientGone(deadline_, "cancelled by the client"), true);
+      Flush();
+    }
+    MaybeDelete();
+  }
+
+  void MaybeDelete() {
+    if (!call_done_ || writing_ || (arrived_ok_ && !finish_done_)) return;
+    delete this;  // (the request, if any, has ended: CallDone saw to it)
+  }
+
+  void EndWith(const grpc::Status& st) {
+    if (end_) return;
+    end_ = st;
+    Flush();
+  }
+
+  // The next write to the client, or the finish.
+  void Flush() {
+    if (finishing_ || writing_) return;
+    if (has_pending_ && !cancelled_) {
+      writing_msg_.Swap(&pending_);
+      pending_.Clear();
+      has_pending_ = false;
+      writing_ = true;
+      writer_.Write(writing_msg_, &wrote_);
+      return;
+    }
+    if (end_) {
+      finishing_ = true;
+      writer_.Finish(*end_, &finished_);
     }
   }
+
+  InferenceService* const s_;
+  grpc::ServerContext ctx_;
+  v1::GenerateRequest req_;
+  grpc::ServerAsyncWriter<v1::GenerateResponse> writer_{&ctx_};
+  On<Stream> arrived_{this, &Stream::Arrived}, wrote_{this, &Stream::WriteDone}, finished_{this, &Stream::FinishDone},
+      done_{this, &Stream::CallDone};
+  bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
+  absl::Time deadline_ = absl::InfiniteFuture();
+  std::unique_ptr<Request> r_;  // kept until the call is gone: inflight() counts it
+  bool ended_ = false, cancelled_ = false;
+  v1::GenerateResponse pending_, writing_msg_;
+  bool has_pending_ = false, writing_ = false, finishing_ = false;
+  std::optional<grpc::Status> end_;
+};
+
+void InferenceService::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
+  {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    cq_ = std::move(cq);
+  }
+  new Stream(this);
+  cq_thread_ = std::thread([this] { Loop(); });
 }
+
+void InferenceService::Loop() {
+  void* tag;
+  bool ok;
+  while (cq_->Next(&tag, &ok)) static_cast<Event*>(tag)->Done(ok);
+}
+
+void InferenceService::Wake(bool) {
+  {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    alarm_set_ = false;
+  }
+  const std::vector<Stream*> streams(live_.begin(), live_.end());  // Pump may take one out
+  for (Stream* s : streams) s->Pump();
+}
+
+void InferenceService::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  if (cq_ == nullptr) return;
+  // After the server's Shutdown its calls end; the queue goes once they are through.
+  for (int i = 0; i < 500 && live_streams_ > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  cq_->Shutdown();
+  cq_thread_.join();
+}
+
+InferenceService::~InferenceService() { Stop(); }
 
 void InferenceService::SetDraining() { draining_ = true; }
 
 void InferenceService::EndRemaining(std::string message) {
   end_message_ = std::move(message);
   end_remaining_ = true;
+  bell_->Ring();  // the Generate streams see it at once
 }
 
 double InferenceService::TakeMeanItl() {

@@ -5,7 +5,11 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
+
+#include <grpcpp/alarm.h>
 
 #include "attention_service/engine_loop.h"
 #include "common/metrics.h"
@@ -26,15 +30,20 @@ struct InferenceOptions {
   std::function<std::pair<std::string, uint64_t>()> routing = [] { return std::pair<std::string, uint64_t>{"frozen", 0}; };
 };
 
-class InferenceService final : public v1::Inference::Service {
+// Generate is asynchronous: one thread serves every stream from one completion queue, woken once
+// per engine step (a Bell that sets an alarm), so a token costs no thread of its own.
+class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1::Inference::Service> {
  public:
   // The server starts (health NOT_SERVING) before the weights are loaded; requests get UNAVAILABLE
   // until Attach.
   InferenceService(InferenceOptions options, metrics::Registry& registry);
+  ~InferenceService() override;  // Stop
   void Attach(const ModelConfig& config, EngineLoop& loop);
+  // Starts serving Generate on `cq` (the server's, from ServerBuilder::AddCompletionQueue).
+  void Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq);
+  // After the server's Shutdown: stops the completion queue.
+  void Stop();
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
 
@@ -82,6 +91,13 @@ class InferenceService final : public v1::Inference::Service {
   double TakeMeanItl();
 
  private:
+  struct Event;
+  template <class T>
+  struct On;
+  class Stream;
+  void Loop();
+  void Wake(bool ok);  // the alarm: an engine step gave output, or the drain timed out
+
   const InferenceOptions options_;
   std::atomic<const ModelConfig*> config_{nullptr};
   std::atomic<EngineLoop*> loop_{nullptr};
@@ -97,6 +113,16 @@ class InferenceService final : public v1::Inference::Service {
   std::mutex itl_mu_;
   double itl_sum_ = 0;
   int64_t itl_count_ = 0;
+
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::thread cq_thread_;
+  std::unique_ptr<Event> wake_;
+  grpc::Alarm alarm_;
+  std::mutex alarm_mu_;
+  bool alarm_set_ = false, stopped_ = false;  // under alarm_mu_
+  std::shared_ptr<Bell> bell_;                // every Generate stream's
+  std::set<Stream*> live_;                    // streams with a request in the engine (loop thread)
+  std::atomic<int> live_streams_{0};          // Stop waits for them
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Histogram* m_ttft_;

@@ -270,9 +270,11 @@ int main(int argc, char** argv) {
   };
   k3::InferenceService service(iopt, registry);
   k3::MultiplexService multiplex(service);  // the gateway's streams
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;  // Generate's (asynchronous)
   auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)),
-                                  {&service, &multiplex}, *creds);
+                                  {&service, &multiplex}, *creds, [&cq](grpc::ServerBuilder& b) { cq = b.AddCompletionQueue(); });
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
+  service.Serve(std::move(cq));
   auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!h.ok()) return Fail("metrics", h.status());
   std::unique_ptr<k3::HttpServer> http = std::move(*h);
