@@ -23,20 +23,6 @@ grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID
 
 }  // namespace
 
-// A completion-queue tag: what to do once its operation completes (`ok` as Next says).
-struct InferenceService::Event {
-  virtual ~Event() = default;
-  virtual void Done(bool ok) = 0;
-};
-
-template <class T>
-struct InferenceService::On final : InferenceService::Event {
-  On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
-  void Done(bool ok) override { (self->*fn)(ok); }
-  T* self;
-  void (T::*fn)(bool);
-};
-
 InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg)
     : options_(std::move(options)), wake_(std::make_unique<On<InferenceService>>(this, &InferenceService::Wake)) {
   // Rung by the engine thread after a step that gave a Generate stream output: one alarm wakes
@@ -197,18 +183,18 @@ grpc::Status InferenceService::End(Request& r, const grpc::Status& s, bool abort
 // One Generate call. Tokens go out as the engine gives them; those that arrive while a write is in
 // flight go out together in the next one. Loop thread only; it deletes itself once the call is
 // done and its operations are through.
-class InferenceService::Stream {
+class InferenceService::Stream final : public InferenceService::Pumped {
  public:
   // Waits for the next Generate.
   explicit Stream(InferenceService* s) : s_(s) {
-    ++s_->live_streams_;
+    s_->CallStarted();
     ctx_.AsyncNotifyWhenDone(&done_);
     s_->RequestGenerate(&ctx_, &req_, &writer_, s_->cq_.get(), s_->cq_.get(), &arrived_);
   }
-  ~Stream() { --s_->live_streams_; }
+  ~Stream() override { s_->CallEnded(); }
 
   // After an engine step: what the request got, or the end the drain's timeout gives it.
-  void Pump() {
+  void Pump() override {
     if (const std::string* msg = s_->ended()) {
       EndRequest({grpc::StatusCode::UNAVAILABLE, *msg}, true);
       return;
@@ -345,8 +331,8 @@ void InferenceService::Wake(bool) {
     std::lock_guard<std::mutex> lock(alarm_mu_);
     alarm_set_ = false;
   }
-  const std::vector<Stream*> streams(live_.begin(), live_.end());  // Pump may take one out
-  for (Stream* s : streams) s->Pump();
+  const std::vector<Pumped*> calls(live_.begin(), live_.end());  // Pump may take one out
+  for (Pumped* c : calls) c->Pump();
 }
 
 void InferenceService::Stop() {
@@ -357,7 +343,7 @@ void InferenceService::Stop() {
   }
   if (cq_ == nullptr) return;
   // After the server's Shutdown its calls end; the queue goes once they are through.
-  for (int i = 0; i < 500 && live_streams_ > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 500 && live_calls_ > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   cq_->Shutdown();
   cq_thread_.join();
 }

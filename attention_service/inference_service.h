@@ -90,10 +90,33 @@ class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1
   // Mean inter-token latency since the previous call (0 if no token followed another).
   double TakeMeanItl();
 
- private:
-  struct Event;
+  // The completion queue's loop, for other calls on it (the gateway's multiplexed ones). A
+  // completion-queue tag: what to do once its operation completes (`ok` as Next says).
+  struct Event {
+    virtual ~Event() = default;
+    virtual void Done(bool ok) = 0;
+  };
   template <class T>
-  struct On;
+  struct On final : Event {
+    On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
+    void Done(bool ok) override { (self->*fn)(ok); }
+    T* self;
+    void (T::*fn)(bool);
+  };
+  // Woken after every engine step that gave output (loop thread).
+  struct Pumped {
+    virtual ~Pumped() = default;
+    virtual void Pump() = 0;
+  };
+  void AddPumped(Pumped* p) { live_.insert(p); }
+  void RemovePumped(Pumped* p) { live_.erase(p); }
+  grpc::ServerCompletionQueue* cq() { return cq_.get(); }
+  const std::shared_ptr<Bell>& bell() const { return bell_; }
+  // Calls on the queue now, pending ones included: Stop waits for them.
+  void CallStarted() { ++live_calls_; }
+  void CallEnded() { --live_calls_; }
+
+ private:
   class Stream;
   void Loop();
   void Wake(bool ok);  // the alarm: an engine step gave output, or the drain timed out
@@ -121,8 +144,8 @@ class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1
   std::mutex alarm_mu_;
   bool alarm_set_ = false, stopped_ = false;  // under alarm_mu_
   std::shared_ptr<Bell> bell_;                // every Generate stream's
-  std::set<Stream*> live_;                    // streams with a request in the engine (loop thread)
-  std::atomic<int> live_streams_{0};          // Stop waits for them
+  std::set<Pumped*> live_;                    // calls with requests in the engine (loop thread)
+  std::atomic<int> live_calls_{0};
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Histogram* m_ttft_;

@@ -275,6 +275,7 @@ int main(int argc, char** argv) {
                                   {&service, &multiplex}, *creds, [&cq](grpc::ServerBuilder& b) { cq = b.AddCompletionQueue(); });
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
   service.Serve(std::move(cq));
+  multiplex.Start();
   auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!h.ok()) return Fail("metrics", h.status());
   std::unique_ptr<k3::HttpServer> http = std::move(*h);

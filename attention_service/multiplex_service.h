@@ -8,15 +8,17 @@
 
 namespace k3 {
 
-class MultiplexService final : public v1::TokenStreams::Service {
+// Asynchronous, on the inference service's completion queue and thread: woken with its Generate
+// streams once per engine step.
+class MultiplexService final : public v1::TokenStreams::WithAsyncMethod_Multiplex<v1::TokenStreams::Service> {
  public:
   // The requests are InferenceService's: the same checks, metrics, drain and Abort.
   explicit MultiplexService(InferenceService& inference) : inference_(inference) {}
-
-  grpc::Status Multiplex(grpc::ServerContext* ctx,
-                         grpc::ServerReaderWriter<v1::MultiplexDown, v1::MultiplexUp>* call) override;
+  // Starts taking calls (after the inference service's Serve).
+  void Start();
 
  private:
+  class Call;
   InferenceService& inference_;
 };
 
