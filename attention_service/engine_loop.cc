@@ -6,35 +6,16 @@
 
 namespace k3 {
 
-void Bell::Ring() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++rings_;
-  }
-  cv_.notify_all();
-  if (on_ring_) on_ring_();
-}
-
-void Bell::Wait(uint64_t* seen, std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, timeout, [&] { return rings_ != *seen; });
-  *seen = rings_;
-}
-
-std::vector<StepOutput> TokenStream::Next(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, timeout, [&] { return !outputs_.empty(); });
+std::vector<StepOutput> TokenStream::Take() {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<StepOutput> out(std::make_move_iterator(outputs_.begin()), std::make_move_iterator(outputs_.end()));
   outputs_.clear();
   return out;
 }
 
 void TokenStream::Push(StepOutput o) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    outputs_.push_back(std::move(o));
-  }
-  cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  outputs_.push_back(std::move(o));
 }
 
 EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
@@ -44,31 +25,14 @@ EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
 
 EngineLoop::~EngineLoop() { Stop(); }
 
-absl::StatusOr<std::shared_ptr<TokenStream>> EngineLoop::Add(uint64_t id, std::vector<int32_t> prompt,
-                                                             const SamplingParams& p) {
-  std::future<absl::Status> done;
-  auto stream = std::make_shared<TokenStream>();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return absl::UnavailableError("server is shutting down");
-    AddCmd cmd{id, std::move(prompt), p, stream, {}};
-    done = cmd.done.get_future();
-    commands_.push_back(std::move(cmd));
-  }
-  cv_.notify_all();
-  absl::Status s = done.get();
-  if (!s.ok()) return s;
-  return stream;
-}
-
-std::shared_ptr<TokenStream> EngineLoop::AddAsync(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p,
-                                                  std::shared_ptr<Bell> bell) {
+std::shared_ptr<TokenStream> EngineLoop::Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p,
+                                             std::shared_ptr<Bell> bell) {
   auto stream = std::make_shared<TokenStream>(std::move(bell));
   bool queued = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
-      commands_.push_back(AddCmd{id, std::move(prompt), p, stream, {}, /*error_on_stream=*/true});
+      commands_.push_back(AddCmd{id, std::move(prompt), p, stream});
       queued = true;
     }
   }
@@ -80,7 +44,7 @@ std::shared_ptr<TokenStream> EngineLoop::AddAsync(uint64_t id, std::vector<int32
     o.finish = FinishReason::kError;
     o.error = absl::UnavailableError("server is shutting down");
     stream->Push(std::move(o));
-    if (stream->bell() != nullptr) stream->bell()->Ring();
+    stream->bell()->Ring();
   }
   return stream;
 }
@@ -115,21 +79,20 @@ void EngineLoop::Run() {
     std::vector<Bell*> bells;
     auto push = [&](TokenStream& stream, StepOutput o) {
       stream.Push(std::move(o));
-      if (stream.bell() != nullptr && std::find(bells.begin(), bells.end(), stream.bell()) == bells.end())
-        bells.push_back(stream.bell());
+      if (std::find(bells.begin(), bells.end(), stream.bell()) == bells.end()) bells.push_back(stream.bell());
     };
     for (auto& c : cmds) {
       if (auto* add = std::get_if<AddCmd>(&c)) {
         const absl::Status s = engine_.Add(add->id, std::move(add->prompt), add->params);
-        if (!s.ok() && add->error_on_stream) {
+        if (s.ok()) {
+          streams_[add->id] = std::move(add->stream);
+        } else {
           StepOutput o;
           o.id = add->id;
           o.finish = FinishReason::kError;
           o.error = s;
           push(*add->stream, std::move(o));
         }
-        if (s.ok()) streams_[add->id] = std::move(add->stream);
-        add->done.set_value(s);
       } else {
         const uint64_t id = std::get<AbortCmd>(c).id;
         if (engine_.Abort(id).ok()) {

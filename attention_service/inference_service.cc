@@ -120,16 +120,7 @@ absl::StatusOr<std::unique_ptr<InferenceService::Request>> InferenceService::Adm
       return absl::AlreadyExistsError(absl::StrCat("request_id \"", req.request_id(), "\" is already live"));
     r->name = req.request_id();
   }
-  std::vector<int32_t> prompt(req.prompt_ids().begin(), req.prompt_ids().end());
-  if (bell != nullptr) {
-    r->stream = loop->AddAsync(r->id, std::move(prompt), p, std::move(bell));
-  } else {
-    auto stream = loop->Add(r->id, std::move(prompt), p);
-    if (!stream.ok()) return stream.status();
-    r->stream = *std::move(stream);
-    r->prompt_counted = true;
-    m_prompt_tokens_->Inc(r->prompt_tokens);
-  }
+  r->stream = loop->Add(r->id, {req.prompt_ids().begin(), req.prompt_ids().end()}, p, std::move(bell));
   return r;
 }
 
@@ -199,7 +190,7 @@ class InferenceService::Stream final : public InferenceService::Pumped {
       EndRequest({grpc::StatusCode::UNAVAILABLE, *msg}, true);
       return;
     }
-    for (StepOutput& o : r_->stream->Next(std::chrono::milliseconds(0))) {
+    for (StepOutput& o : r_->stream->Take()) {
       grpc::Status end;
       const bool last = s_->Take(*r_, o, &pending_, &end);
       has_pending_ = pending_.token_ids_size() > 0 || pending_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;

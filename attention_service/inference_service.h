@@ -60,8 +60,8 @@ class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1
     int64_t outstanding = 0;  // prompt (until the first token) + tokens still to generate
     std::shared_ptr<TokenStream> stream;
   };
-  // Checks and queues a request. With a bell, the engine's verdict comes on the stream (see
-  // EngineLoop::AddAsync) and the bell rings after each step that gave the request output.
+  // Checks and queues a request; the engine's own verdict comes on its stream (EngineLoop::Add),
+  // and `bell` rings after each step that gave the request output.
   absl::StatusOr<std::unique_ptr<Request>> Admit(const v1::GenerateRequest& req, absl::Time arrival, absl::Time deadline,
                                                  std::shared_ptr<Bell> bell);
   // Adds one engine output to `resp` (tokens; finish and usage at the end); true when it ends the

@@ -43,7 +43,7 @@ class MultiplexService::Call final : public InferenceService::Pumped {
         it = streams_.erase(it);
         continue;
       }
-      std::vector<StepOutput> outputs = r.stream->Next(std::chrono::milliseconds(0));
+      std::vector<StepOutput> outputs = r.stream->Take();
       if (outputs.empty()) {
         ++it;
         continue;
