@@ -83,7 +83,7 @@ class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1
   void EndRemaining(std::string message);
   // Requests refused because of the drain.
   int64_t refused_draining() const { return refused_draining_.load(); }
-  // Generate streams open now.
+  // Requests in flight now, direct and through gateways.
   int64_t inflight() const { return inflight_.load(); }
   // Prompt tokens and tokens still to generate of the live requests.
   int64_t outstanding_tokens() const { return outstanding_tokens_.load(); }
