@@ -1,23 +1,21 @@
 #include "attention_service/engine_loop.h"
 
+#include <algorithm>
+
 #include "absl/time/clock.h"
 
 namespace k3 {
 
-std::vector<StepOutput> TokenStream::Next(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, timeout, [&] { return !outputs_.empty(); });
+std::vector<StepOutput> TokenStream::Take() {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<StepOutput> out(std::make_move_iterator(outputs_.begin()), std::make_move_iterator(outputs_.end()));
   outputs_.clear();
   return out;
 }
 
 void TokenStream::Push(StepOutput o) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    outputs_.push_back(std::move(o));
-  }
-  cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  outputs_.push_back(std::move(o));
 }
 
 EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
@@ -27,20 +25,27 @@ EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
 
 EngineLoop::~EngineLoop() { Stop(); }
 
-absl::StatusOr<std::shared_ptr<TokenStream>> EngineLoop::Add(uint64_t id, std::vector<int32_t> prompt,
-                                                             const SamplingParams& p) {
-  std::future<absl::Status> done;
-  auto stream = std::make_shared<TokenStream>();
+std::shared_ptr<TokenStream> EngineLoop::Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p,
+                                             std::shared_ptr<Bell> bell) {
+  auto stream = std::make_shared<TokenStream>(std::move(bell));
+  bool queued = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return absl::UnavailableError("server is shutting down");
-    AddCmd cmd{id, std::move(prompt), p, stream, {}};
-    done = cmd.done.get_future();
-    commands_.push_back(std::move(cmd));
+    if (!stopping_) {
+      commands_.push_back(AddCmd{id, std::move(prompt), p, stream});
+      queued = true;
+    }
   }
-  cv_.notify_all();
-  absl::Status s = done.get();
-  if (!s.ok()) return s;
+  if (queued) {
+    cv_.notify_all();
+  } else {
+    StepOutput o;
+    o.id = id;
+    o.finish = FinishReason::kError;
+    o.error = absl::UnavailableError("server is shutting down");
+    stream->Push(std::move(o));
+    stream->bell()->Ring();
+  }
   return stream;
 }
 
@@ -70,18 +75,31 @@ void EngineLoop::Run() {
       if (stopping_ && commands_.empty() && !engine_.HasWork()) return;
       cmds.swap(commands_);
     }
+    // The bells of the streams pushed to in this iteration, rung once at its end.
+    std::vector<Bell*> bells;
+    auto push = [&](TokenStream& stream, StepOutput o) {
+      stream.Push(std::move(o));
+      if (std::find(bells.begin(), bells.end(), stream.bell()) == bells.end()) bells.push_back(stream.bell());
+    };
     for (auto& c : cmds) {
       if (auto* add = std::get_if<AddCmd>(&c)) {
         const absl::Status s = engine_.Add(add->id, std::move(add->prompt), add->params);
-        if (s.ok()) streams_[add->id] = std::move(add->stream);
-        add->done.set_value(s);
+        if (s.ok()) {
+          streams_[add->id] = std::move(add->stream);
+        } else {
+          StepOutput o;
+          o.id = add->id;
+          o.finish = FinishReason::kError;
+          o.error = s;
+          push(*add->stream, std::move(o));
+        }
       } else {
         const uint64_t id = std::get<AbortCmd>(c).id;
         if (engine_.Abort(id).ok()) {
           StepOutput o;
           o.id = id;
           o.finish = FinishReason::kAborted;
-          if (auto it = streams_.find(id); it != streams_.end()) it->second->Push(std::move(o));
+          if (auto it = streams_.find(id); it != streams_.end()) push(*it->second, std::move(o));
         }
         streams_.erase(id);
       }
@@ -95,10 +113,11 @@ void EngineLoop::Run() {
         auto it = streams_.find(o.id);
         if (it == streams_.end()) continue;
         const bool finished = o.finish != FinishReason::kNone;
-        it->second->Push(std::move(o));
+        push(*it->second, std::move(o));
         if (finished) streams_.erase(it);
       }
     }
+    for (Bell* b : bells) b->Ring();
     if (on_step_) on_step_(engine_.Stats(), took);
   }
 }

@@ -5,7 +5,6 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,16 +16,30 @@
 
 namespace k3 {
 
+// Wakes the one reader of many streams (the completion queue serving Generate and the gateway's
+// calls) once per engine step rather than once per stream.
+class Bell {
+ public:
+  explicit Bell(std::function<void()> on_ring) : on_ring_(std::move(on_ring)) {}
+  void Ring() { on_ring_(); }
+
+ private:
+  const std::function<void()> on_ring_;
+};
+
 // The tokens of one request as the engine produces them.
 class TokenStream {
  public:
-  // Waits up to `timeout` for outputs; returns what arrived (empty on timeout).
-  std::vector<StepOutput> Next(std::chrono::milliseconds timeout);
+  explicit TokenStream(std::shared_ptr<Bell> bell) : bell_(std::move(bell)) {}
+  // What arrived since the last call (no wait).
+  std::vector<StepOutput> Take();
   void Push(StepOutput o);
+  // Rung (by the engine thread) after the step that pushed to this stream.
+  Bell* bell() const { return bell_.get(); }
 
  private:
+  const std::shared_ptr<Bell> bell_;
   std::mutex mu_;
-  std::condition_variable cv_;
   std::deque<StepOutput> outputs_;
 };
 
@@ -39,9 +52,11 @@ class EngineLoop {
   EngineLoop(Backend& backend, EngineOptions options, OnStep on_step);
   ~EngineLoop();
 
-  // Queues a request; the validation result (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) comes
-  // back before any token.
-  absl::StatusOr<std::shared_ptr<TokenStream>> Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p);
+  // Queues a request without waiting for the engine: the validation error, if any
+  // (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), arrives on the stream as its only output (kError).
+  // Many requests queued at once are admitted in one step.
+  std::shared_ptr<TokenStream> Add(uint64_t id, std::vector<int32_t> prompt, const SamplingParams& p,
+                                   std::shared_ptr<Bell> bell);
   // Frees the request's state (no-op if it already finished).
   void Abort(uint64_t id);
   // Finishes the requests in flight, then stops (no new ones are admitted meanwhile).
@@ -55,7 +70,6 @@ class EngineLoop {
     std::vector<int32_t> prompt;
     SamplingParams params;
     std::shared_ptr<TokenStream> stream;  // the engine thread keeps it once the request is admitted
-    std::promise<absl::Status> done;
   };
   struct AbortCmd {
     uint64_t id;

@@ -1,5 +1,9 @@
 #include "attention_service/inference_service.h"
 
+#include <chrono>
+#include <optional>
+#include <vector>
+
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_server.h"
@@ -17,20 +21,18 @@ v1::FinishReason ToProto(FinishReason r) {
 
 grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID_ARGUMENT, msg}; }
 
-// IsCancelled() is true both when the client cancels and when its deadline passes; the status
-// (and k3serve_requests_total's code) tells them apart. The client cancels the stream at its
-// deadline, which the server's copy (taken on arrival, so later by the request's transit) may not
-// have reached yet: a cancellation that close to the deadline is the deadline's.
-grpc::Status ClientGone(const grpc::ServerContext& ctx, const char* what) {
-  constexpr auto kTransitSlack = std::chrono::milliseconds(500);
-  if (ctx.deadline() <= std::chrono::system_clock::now() + kTransitSlack)
-    return {grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"};
-  return {grpc::StatusCode::CANCELLED, what};
-}
-
 }  // namespace
 
-InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg) : options_(std::move(options)) {
+InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg)
+    : options_(std::move(options)), wake_(std::make_unique<On<InferenceService>>(this, &InferenceService::Wake)) {
+  // Rung by the engine thread after a step that gave a Generate stream output: one alarm wakes
+  // the loop, however many streams got tokens.
+  bell_ = std::make_shared<Bell>([this] {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    if (alarm_set_ || stopped_ || cq_ == nullptr) return;
+    alarm_set_ = true;
+    alarm_.Set(cq_.get(), gpr_time_0(GPR_CLOCK_REALTIME), wake_.get());
+  });
   const auto latency = metrics::ExponentialBuckets(1e-4, 2, 18);  // 0.1 ms .. 13 s
   m_requests_ = metrics::Must(reg.AddCounter("k3serve_requests_total", "Generate requests by final gRPC status.", {"code"}));
   m_ttft_ = &metrics::Must(reg.AddHistogram("k3serve_time_to_first_token_seconds", "From request arrival to its first token.", latency))->WithLabels();
@@ -55,21 +57,39 @@ grpc::Status InferenceService::Finish(const grpc::Status& s) {
   return s;
 }
 
-grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const absl::Time arrival = absl::Now();
-  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Finish(s);
+// IsCancelled() is true both when the client cancels and when its deadline passes; the status
+// (and k3serve_requests_total's code) tells them apart. The client cancels the stream at its
+// deadline, which the server's copy (taken on arrival, so later by the request's transit) may not
+// have reached yet: a cancellation that close to the deadline is the deadline's.
+grpc::Status InferenceService::ClientGone(absl::Time deadline, const char* what) {
+  constexpr absl::Duration kTransitSlack = absl::Milliseconds(500);
+  if (deadline <= absl::Now() + kTransitSlack) return {grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"};
+  return {grpc::StatusCode::CANCELLED, what};
+}
+
+InferenceService::Request::~Request() {
+  service->outstanding_tokens_ -= outstanding;
+  --service->inflight_;
+  if (name.empty()) return;
+  std::lock_guard<std::mutex> lock(service->mu_);
+  service->by_request_id_.erase(name);
+}
+
+absl::StatusOr<std::unique_ptr<InferenceService::Request>> InferenceService::Admit(const v1::GenerateRequest& req,
+                                                                                   absl::Time arrival, absl::Time deadline,
+                                                                                   std::shared_ptr<Bell> bell) {
   EngineLoop* loop = loop_.load();
-  if (loop == nullptr) return Finish({grpc::StatusCode::UNAVAILABLE, "the model is still loading"});
-  if (!req->model().empty() && req->model() != options_.model_name)
-    return Finish(Invalid(absl::StrCat("model: unknown model \"", req->model(), "\"; this server serves \"",
-                                       options_.model_name, "\"")));
-  if (req->max_tokens() <= 0) return Finish(Invalid(absl::StrCat("max_tokens must be > 0, got ", req->max_tokens())));
-  if (req->max_tokens() > options_.max_tokens_limit)
-    return Finish(Invalid(absl::StrCat("max_tokens = ", req->max_tokens(), " exceeds the limit ", options_.max_tokens_limit)));
+  if (loop == nullptr) return absl::UnavailableError("the model is still loading");
+  if (!req.model().empty() && req.model() != options_.model_name)
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: unknown model \"", req.model(), "\"; this server serves \"", options_.model_name, "\""));
+  if (req.max_tokens() <= 0) return absl::InvalidArgumentError(absl::StrCat("max_tokens must be > 0, got ", req.max_tokens()));
+  if (req.max_tokens() > options_.max_tokens_limit)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens = ", req.max_tokens(), " exceeds the limit ", options_.max_tokens_limit));
   SamplingParams p;
-  const auto& s = req->sampling();
-  p.max_new_tokens = req->max_tokens();
+  const auto& s = req.sampling();
+  p.max_new_tokens = req.max_tokens();
   p.temperature = s.temperature();
   p.top_k = s.top_k();
   p.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
@@ -77,111 +97,256 @@ grpc::Status InferenceService::Generate(grpc::ServerContext* ctx, const v1::Gene
   p.seed = s.seed().value();
   p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
   p.ignore_eos = s.ignore_eos();
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) p.deadline = absl::FromChrono(ctx->deadline());
-  if (!options_.ready()) return Finish({grpc::StatusCode::UNAVAILABLE, "experts are not placed yet (no complete placement)"});
+  p.deadline = deadline;
+  if (!options_.ready()) return absl::UnavailableError("experts are not placed yet (no complete placement)");
   if (draining_) {
     ++refused_draining_;
-    return Finish({grpc::StatusCode::UNAVAILABLE, "attention node is draining (takes no new requests)"});
+    return absl::UnavailableError("attention node is draining (takes no new requests)");
   }
 
-  const uint64_t id = next_id_++;
-  if (!req->request_id().empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!by_request_id_.emplace(req->request_id(), id).second)
-      return Finish({grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("request_id \"", req->request_id(), "\" is already live")});
-  }
-  auto release_name = [&] {
-    if (req->request_id().empty()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    by_request_id_.erase(req->request_id());
-  };
-  auto stream = loop->Add(id, {req->prompt_ids().begin(), req->prompt_ids().end()}, p);
-  if (!stream.ok()) {
-    release_name();
-    return Finish(ToGrpc(stream.status()));
-  }
-  m_prompt_tokens_->Inc(req->prompt_ids_size());
+  auto r = std::make_unique<Request>();
+  r->service = this;
+  r->id = next_id_++;
+  r->prompt_tokens = req.prompt_ids_size();
+  r->arrival = r->last = arrival;
+  r->deadline = deadline;
   // Outstanding work, for the gateway's choice of node: what is left of this request.
-  int64_t outstanding = req->prompt_ids_size() + req->max_tokens();
-  outstanding_tokens_ += outstanding;
+  r->outstanding = req.prompt_ids_size() + req.max_tokens();
+  outstanding_tokens_ += r->outstanding;
   ++inflight_;
-  struct Live {
-    InferenceService* s;
-    int64_t& outstanding;
-    ~Live() {
-      s->outstanding_tokens_ -= outstanding;
-      --s->inflight_;
-    }
-  } live{this, outstanding};
+  if (!req.request_id().empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!by_request_id_.emplace(req.request_id(), r->id).second)
+      return absl::AlreadyExistsError(absl::StrCat("request_id \"", req.request_id(), "\" is already live"));
+    r->name = req.request_id();
+  }
+  r->stream = loop->Add(r->id, {req.prompt_ids().begin(), req.prompt_ids().end()}, p, std::move(bell));
+  return r;
+}
 
-  absl::Time last = arrival;
-  int generated = 0;
-  while (true) {
-    if (end_remaining_) {  // the drain timed out
-      loop->Abort(id);
-      release_name();
-      return Finish({grpc::StatusCode::UNAVAILABLE, end_message_});
+bool InferenceService::Take(Request& r, StepOutput& o, v1::GenerateResponse* resp, grpc::Status* end) {
+  const absl::Time now = absl::Now();
+  if (!r.prompt_counted && o.finish != FinishReason::kError) {  // the engine took it
+    r.prompt_counted = true;
+    m_prompt_tokens_->Inc(r.prompt_tokens);
+  }
+  for (int32_t t : o.tokens) {
+    resp->add_token_ids(t);
+    const double gap = absl::ToDoubleSeconds(now - r.last);
+    if (r.generated++ == 0) {
+      m_ttft_->Observe(gap);
+      r.outstanding -= r.prompt_tokens;
+      outstanding_tokens_ -= r.prompt_tokens;
+    } else {
+      m_itl_->Observe(gap);
+      std::lock_guard<std::mutex> lock(itl_mu_);
+      itl_sum_ += gap;
+      ++itl_count_;
     }
-    if (ctx->IsCancelled()) {  // client cancel or deadline: free the sequence
-      loop->Abort(id);
-      release_name();
-      return Finish(ClientGone(*ctx, "cancelled by the client"));
+    --r.outstanding;
+    --outstanding_tokens_;
+    r.last = now;
+  }
+  m_generated_tokens_->Inc(static_cast<double>(o.tokens.size()));
+  if (o.finish == FinishReason::kError) {
+    m_e2e_->Observe(absl::ToDoubleSeconds(now - r.arrival));
+    *end = ToGrpc(o.error);
+    return true;
+  }
+  if (o.finish == FinishReason::kAborted) {
+    *end = {grpc::StatusCode::CANCELLED, "aborted"};
+    return true;
+  }
+  if (o.finish == FinishReason::kNone) return false;
+  resp->set_finish_reason(ToProto(o.finish));
+  resp->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
+  resp->mutable_usage()->set_completion_tokens(static_cast<int32_t>(o.generated_tokens));
+  m_e2e_->Observe(absl::ToDoubleSeconds(now - r.arrival));
+  *end = grpc::Status::OK;
+  return true;
+}
+
+grpc::Status InferenceService::End(Request& r, const grpc::Status& s, bool abort) {
+  if (EngineLoop* loop = loop_.load(); abort && loop != nullptr) loop->Abort(r.id);
+  return Finish(s);
+}
+
+// One Generate call. Tokens go out as the engine gives them; those that arrive while a write is in
+// flight go out together in the next one. Loop thread only; it deletes itself once the call is
+// done and its operations are through.
+class InferenceService::Stream final : public InferenceService::Pumped {
+ public:
+  // Waits for the next Generate.
+  explicit Stream(InferenceService* s) : s_(s) {
+    s_->CallStarted();
+    ctx_.AsyncNotifyWhenDone(&done_);
+    s_->RequestGenerate(&ctx_, &req_, &writer_, s_->cq_.get(), s_->cq_.get(), &arrived_);
+  }
+  ~Stream() override { s_->CallEnded(); }
+
+  // After an engine step: what the request got, or the end the drain's timeout gives it.
+  void Pump() override {
+    if (const std::string* msg = s_->ended()) {
+      EndRequest({grpc::StatusCode::UNAVAILABLE, *msg}, true);
+      return;
     }
-    for (StepOutput& o : (*stream)->Next(std::chrono::milliseconds(50))) {
-      v1::GenerateResponse resp;
-      const absl::Time now = absl::Now();
-      for (int32_t t : o.tokens) {
-        resp.add_token_ids(t);
-        const double gap = absl::ToDoubleSeconds(now - last);
-        if (generated++ == 0) {
-          m_ttft_->Observe(gap);
-          const int64_t prefilled = req->prompt_ids_size();
-          outstanding -= prefilled;
-          outstanding_tokens_ -= prefilled;
-        } else {
-          m_itl_->Observe(gap);
-          std::lock_guard<std::mutex> lock(itl_mu_);
-          itl_sum_ += gap;
-          ++itl_count_;
-        }
-        --outstanding;
-        --outstanding_tokens_;
-        last = now;
+    for (StepOutput& o : r_->stream->Take()) {
+      grpc::Status end;
+      const bool last = s_->Take(*r_, o, &pending_, &end);
+      has_pending_ = pending_.token_ids_size() > 0 || pending_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+      if (last) {
+        EndRequest(end, false);
+        return;
       }
-      m_generated_tokens_->Inc(static_cast<double>(o.tokens.size()));
-      if (o.finish == FinishReason::kError) {
-        release_name();
-        m_e2e_->Observe(absl::ToDoubleSeconds(now - arrival));
-        return Finish(ToGrpc(o.error));
-      }
-      if (o.finish == FinishReason::kAborted) {
-        release_name();
-        return Finish({grpc::StatusCode::CANCELLED, "aborted"});
-      }
-      if (o.finish != FinishReason::kNone) {
-        resp.set_finish_reason(ToProto(o.finish));
-        resp.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
-        resp.mutable_usage()->set_completion_tokens(static_cast<int32_t>(o.generated_tokens));
-      }
-      if (!writer->Write(resp)) {  // the client went away
-        loop->Abort(id);
-        release_name();
-        return Finish(ClientGone(*ctx, "stream closed by the client"));
-      }
-      if (o.finish != FinishReason::kNone) {
-        release_name();
-        m_e2e_->Observe(absl::ToDoubleSeconds(now - arrival));
-        return Finish(grpc::Status::OK);
-      }
+    }
+    Flush();
+  }
+
+ private:
+  void Arrived(bool ok) {
+    if (!ok) {  // the server is shutting down: no call came
+      delete this;
+      return;
+    }
+    new Stream(s_);  // for the next one
+    arrived_ok_ = true;
+    const absl::Time arrival = absl::Now();
+    if (auto st = auth::RequireApiKey(ctx_); !st.ok()) {
+      EndWith(s_->Finish(st));
+      return;
+    }
+    if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) deadline_ = absl::FromChrono(ctx_.deadline());
+    auto admitted = s_->Admit(req_, arrival, deadline_, s_->bell_);
+    if (!admitted.ok()) {
+      EndWith(s_->Finish(ToGrpc(admitted.status())));
+      return;
+    }
+    r_ = *std::move(admitted);
+    s_->live_.insert(this);
+  }
+
+  // The request is over (counted with `st`); the call ends once what is pending is written.
+  void EndRequest(const grpc::Status& st, bool abort) {
+    s_->live_.erase(this);
+    ended_ = true;
+    EndWith(s_->End(*r_, st, abort));
+  }
+
+  void WriteDone(bool ok) {
+    writing_ = false;
+    if (!ok && !ended_) {  // the client went away: free the sequence
+      has_pending_ = false;
+      EndRequest(ClientGone(deadline_, "stream closed by the client"), true);
+    }
+    Flush();
+    MaybeDelete();
+  }
+
+  void FinishDone(bool) {
+    finish_done_ = true;
+    MaybeDelete();
+  }
+
+  // The call is over: finished, or cancelled by the client or its deadline.
+  void CallDone(bool) {
+    call_done_ = true;
+    if (ctx_.IsCancelled()) {
+      cancelled_ = true;
+      has_pending_ = false;
+      if (r_ && !ended_) EndRequest(ClientGone(deadline_, "cancelled by the client"), true);
+      Flush();
+    }
+    MaybeDelete();
+  }
+
+  void MaybeDelete() {
+    if (!call_done_ || writing_ || (arrived_ok_ && !finish_done_)) return;
+    delete this;  // (the request, if any, has ended: CallDone saw to it)
+  }
+
+  void EndWith(const grpc::Status& st) {
+    if (end_) return;
+    end_ = st;
+    Flush();
+  }
+
+  // The next write to the client, or the finish.
+  void Flush() {
+    if (finishing_ || writing_) return;
+    if (has_pending_ && !cancelled_) {
+      writing_msg_.Swap(&pending_);
+      pending_.Clear();
+      has_pending_ = false;
+      writing_ = true;
+      writer_.Write(writing_msg_, &wrote_);
+      return;
+    }
+    if (end_) {
+      finishing_ = true;
+      writer_.Finish(*end_, &finished_);
     }
   }
+
+  InferenceService* const s_;
+  grpc::ServerContext ctx_;
+  v1::GenerateRequest req_;
+  grpc::ServerAsyncWriter<v1::GenerateResponse> writer_{&ctx_};
+  On<Stream> arrived_{this, &Stream::Arrived}, wrote_{this, &Stream::WriteDone}, finished_{this, &Stream::FinishDone},
+      done_{this, &Stream::CallDone};
+  bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
+  absl::Time deadline_ = absl::InfiniteFuture();
+  std::unique_ptr<Request> r_;  // kept until the call is gone: inflight() counts it
+  bool ended_ = false, cancelled_ = false;
+  v1::GenerateResponse pending_, writing_msg_;
+  bool has_pending_ = false, writing_ = false, finishing_ = false;
+  std::optional<grpc::Status> end_;
+};
+
+void InferenceService::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
+  {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    cq_ = std::move(cq);
+  }
+  new Stream(this);
+  cq_thread_ = std::thread([this] { Loop(); });
 }
+
+void InferenceService::Loop() {
+  void* tag;
+  bool ok;
+  while (cq_->Next(&tag, &ok)) static_cast<Event*>(tag)->Done(ok);
+}
+
+void InferenceService::Wake(bool) {
+  {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    alarm_set_ = false;
+  }
+  const std::vector<Pumped*> calls(live_.begin(), live_.end());  // Pump may take one out
+  for (Pumped* c : calls) c->Pump();
+}
+
+void InferenceService::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(alarm_mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  if (cq_ == nullptr) return;
+  // After the server's Shutdown its calls end; the queue goes once they are through.
+  for (int i = 0; i < 500 && live_calls_ > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  cq_->Shutdown();
+  cq_thread_.join();
+}
+
+InferenceService::~InferenceService() { Stop(); }
 
 void InferenceService::SetDraining() { draining_ = true; }
 
 void InferenceService::EndRemaining(std::string message) {
   end_message_ = std::move(message);
   end_remaining_ = true;
+  bell_->Ring();  // the Generate streams see it at once
 }
 
 double InferenceService::TakeMeanItl() {

@@ -5,7 +5,11 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
+
+#include <grpcpp/alarm.h>
 
 #include "attention_service/engine_loop.h"
 #include "common/metrics.h"
@@ -26,17 +30,52 @@ struct InferenceOptions {
   std::function<std::pair<std::string, uint64_t>()> routing = [] { return std::pair<std::string, uint64_t>{"frozen", 0}; };
 };
 
-class InferenceService final : public v1::Inference::Service {
+// Generate is asynchronous: one thread serves every stream from one completion queue, woken once
+// per engine step (a Bell that sets an alarm), so a token costs no thread of its own.
+class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1::Inference::Service> {
  public:
   // The server starts (health NOT_SERVING) before the weights are loaded; requests get UNAVAILABLE
   // until Attach.
   InferenceService(InferenceOptions options, metrics::Registry& registry);
+  ~InferenceService() override;  // Stop
   void Attach(const ModelConfig& config, EngineLoop& loop);
+  // Starts serving Generate on `cq` (the server's, from ServerBuilder::AddCompletionQueue).
+  void Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq);
+  // After the server's Shutdown: stops the completion queue.
+  void Stop();
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
+
+  // One admitted request, whichever call carries it (Generate, or a stream of TokenStreams).
+  struct Request {
+    ~Request();  // gives back its share of inflight() and outstanding_tokens()
+    InferenceService* service = nullptr;
+    uint64_t id = 0;
+    std::string name;  // request_id; "" if none
+    int32_t prompt_tokens = 0;
+    bool prompt_counted = false;
+    absl::Time arrival, last, deadline;
+    int generated = 0;
+    int64_t outstanding = 0;  // prompt (until the first token) + tokens still to generate
+    std::shared_ptr<TokenStream> stream;
+  };
+  // Checks and queues a request; the engine's own verdict comes on its stream (EngineLoop::Add),
+  // and `bell` rings after each step that gave the request output.
+  absl::StatusOr<std::unique_ptr<Request>> Admit(const v1::GenerateRequest& req, absl::Time arrival, absl::Time deadline,
+                                                 std::shared_ptr<Bell> bell);
+  // Adds one engine output to `resp` (tokens; finish and usage at the end); true when it ends the
+  // request, with its status in *end (the response is sent only when that is OK).
+  bool Take(Request& r, StepOutput& o, v1::GenerateResponse* resp, grpc::Status* end);
+  // Ends the request with `s`; `abort`: the engine still holds it.
+  grpc::Status End(Request& r, const grpc::Status& s, bool abort);
+  // The message the streams still open end with once a drain timed out; null before.
+  const std::string* ended() const { return end_remaining_ ? &end_message_ : nullptr; }
+  // A request whose client went away: DEADLINE_EXCEEDED when that was its deadline, else
+  // CANCELLED with `what`.
+  static grpc::Status ClientGone(absl::Time deadline, const char* what);
+  // Counts a call's final status.
+  grpc::Status Finish(const grpc::Status& s);
 
   // Drain: new requests get UNAVAILABLE; those in flight go on.
   void SetDraining();
@@ -44,15 +83,43 @@ class InferenceService final : public v1::Inference::Service {
   void EndRemaining(std::string message);
   // Requests refused because of the drain.
   int64_t refused_draining() const { return refused_draining_.load(); }
-  // Generate streams open now.
+  // Requests in flight now, direct and through gateways.
   int64_t inflight() const { return inflight_.load(); }
   // Prompt tokens and tokens still to generate of the live requests.
   int64_t outstanding_tokens() const { return outstanding_tokens_.load(); }
   // Mean inter-token latency since the previous call (0 if no token followed another).
   double TakeMeanItl();
 
+  // The completion queue's loop, for other calls on it (the gateway's multiplexed ones). A
+  // completion-queue tag: what to do once its operation completes (`ok` as Next says).
+  struct Event {
+    virtual ~Event() = default;
+    virtual void Done(bool ok) = 0;
+  };
+  template <class T>
+  struct On final : Event {
+    On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
+    void Done(bool ok) override { (self->*fn)(ok); }
+    T* self;
+    void (T::*fn)(bool);
+  };
+  // Woken after every engine step that gave output (loop thread).
+  struct Pumped {
+    virtual ~Pumped() = default;
+    virtual void Pump() = 0;
+  };
+  void AddPumped(Pumped* p) { live_.insert(p); }
+  void RemovePumped(Pumped* p) { live_.erase(p); }
+  grpc::ServerCompletionQueue* cq() { return cq_.get(); }
+  const std::shared_ptr<Bell>& bell() const { return bell_; }
+  // Calls on the queue now, pending ones included: Stop waits for them.
+  void CallStarted() { ++live_calls_; }
+  void CallEnded() { --live_calls_; }
+
  private:
-  grpc::Status Finish(const grpc::Status& s);
+  class Stream;
+  void Loop();
+  void Wake(bool ok);  // the alarm: an engine step gave output, or the drain timed out
 
   const InferenceOptions options_;
   std::atomic<const ModelConfig*> config_{nullptr};
@@ -69,6 +136,16 @@ class InferenceService final : public v1::Inference::Service {
   std::mutex itl_mu_;
   double itl_sum_ = 0;
   int64_t itl_count_ = 0;
+
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::thread cq_thread_;
+  std::unique_ptr<Event> wake_;
+  grpc::Alarm alarm_;
+  std::mutex alarm_mu_;
+  bool alarm_set_ = false, stopped_ = false;  // under alarm_mu_
+  std::shared_ptr<Bell> bell_;                // every Generate stream's
+  std::set<Pumped*> live_;                    // calls with requests in the engine (loop thread)
+  std::atomic<int> live_calls_{0};
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Histogram* m_ttft_;

@@ -13,6 +13,7 @@
 #include "absl/flags/parse.h"
 #include "attention_service/engine_loop.h"
 #include "attention_service/inference_service.h"
+#include "attention_service/multiplex_service.h"
 #ifdef K3SERVE_HAVE_CUDA
 #include "engine/cuda/cuda_backend.h"
 #endif
@@ -268,8 +269,13 @@ int main(int argc, char** argv) {
     return c ? c->routing() : std::pair<std::string, uint64_t>{"frozen", 0};
   };
   k3::InferenceService service(iopt, registry);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&service}, *creds);
+  k3::MultiplexService multiplex(service);  // the gateway's streams
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;  // Generate's (asynchronous)
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)),
+                                  {&service, &multiplex}, *creds, [&cq](grpc::ServerBuilder& b) { cq = b.AddCompletionQueue(); });
   if (!grpc.ok()) return Fail("gRPC", grpc.status());
+  service.Serve(std::move(cq));
+  multiplex.Start();
   auto h = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!h.ok()) return Fail("metrics", h.status());
   std::unique_ptr<k3::HttpServer> http = std::move(*h);

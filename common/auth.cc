@@ -122,13 +122,17 @@ grpc::Status RequireAdmin(const grpc::ServerContext& ctx, const char* method) {
 }
 
 grpc::Status RequireApiKey(const grpc::ServerContext& ctx) {
+  if (Global().api_keys.empty()) return grpc::Status::OK;
+  return CheckApiKey(Metadata(ctx, "authorization"));
+}
+
+grpc::Status CheckApiKey(std::string_view h) {
   const State& s = Global();
   if (s.api_keys.empty()) return grpc::Status::OK;
-  const std::string h = Metadata(ctx, "authorization");
   constexpr std::string_view kBearer = "Bearer ";
   if (h.empty()) return {grpc::StatusCode::UNAUTHENTICATED, "missing API key (authorization: Bearer <key>)"};
-  if (h.compare(0, kBearer.size(), kBearer) == 0) {
-    const std::string_view key = std::string_view(h).substr(kBearer.size());
+  if (h.substr(0, kBearer.size()) == kBearer) {
+    const std::string_view key = h.substr(kBearer.size());
     bool ok = false;
     for (const auto& k : s.api_keys) ok |= SecretEquals(key, k);  // no early exit: constant time over keys
     if (ok) return grpc::Status::OK;

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include <grpcpp/grpcpp.h>
 
@@ -44,6 +45,8 @@ grpc::Status RequireNode(const grpc::ServerContext& ctx, const char* method);
 grpc::Status RequireAdmin(const grpc::ServerContext& ctx, const char* method);
 // The public API: OK when no keys are configured or the bearer key is one of them.
 grpc::Status RequireApiKey(const grpc::ServerContext& ctx);
+// The same check of an `authorization` value carried some other way (the gateway's streams).
+grpc::Status CheckApiKey(std::string_view authorization);
 
 // Adds this process's credentials to an outgoing call.
 void AddNodeCredentials(grpc::ClientContext* ctx);

@@ -8,7 +8,8 @@
 namespace k3 {
 
 absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services,
-                                           std::shared_ptr<grpc::ServerCredentials> credentials) {
+                                           std::shared_ptr<grpc::ServerCredentials> credentials,
+                                           const std::function<void(grpc::ServerBuilder&)>& configure) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -16,6 +17,7 @@ absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std
   builder.AddListeningPort(address, credentials ? credentials : grpc::InsecureServerCredentials(), &out.port);
   builder.SetMaxReceiveMessageSize(64 << 20);
   for (grpc::Service* s : services) builder.RegisterService(s);
+  if (configure) configure(builder);
   out.server = builder.BuildAndStart();
   if (!out.server || out.port == 0) return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", address));
   out.SetServing(false);

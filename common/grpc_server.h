@@ -2,6 +2,7 @@
 // message limits, and the listening port.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,8 +26,11 @@ struct GrpcServer {
 // Builds and starts a server on `address` ("host:port"; port 0 picks one) with the given services,
 // the standard health service (NOT_SERVING until SetServing(true)) and server reflection.
 // `credentials`: TLS (common/tls.h); null means plaintext.
+// `configure`, if set, sees the builder before the server starts (e.g. to add a completion queue
+// for asynchronous methods).
 absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services,
-                                           std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+                                           std::shared_ptr<grpc::ServerCredentials> credentials = nullptr,
+                                           const std::function<void(grpc::ServerBuilder&)>& configure = nullptr);
 
 // absl::Status as grpc::Status (the codes are numerically identical).
 grpc::Status ToGrpc(const absl::Status& s);

@@ -1,7 +1,11 @@
 #include "router/gateway.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <optional>
+
+#include <grpcpp/alarm.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -38,7 +42,7 @@ Gateway::Node::~Node() {
 }
 
 void Gateway::Node::Watch() {
-  auto health = grpc::health::v1::Health::NewStub(channel);
+  auto health = grpc::health::v1::Health::NewStub(channels[0]);
   while (!stop_watch) {
     grpc::ClientContext ctx;
     {
@@ -73,11 +77,6 @@ Gateway::Gateway(GatewayOptions options, metrics::Registry& reg)
 Gateway::~Gateway() {
   Stop();
   refresher_.join();
-}
-
-void Gateway::Stop() {
-  std::lock_guard<std::mutex> lock(mu_);
-  stopping_ = true;
 }
 
 int Gateway::serving_nodes() {
@@ -122,10 +121,9 @@ void Gateway::Refresh() {
           for (int c = 0; c < std::max(1, options_.connections); ++c) {
             grpc::ChannelArguments args;
             args.SetInt("k3serve.connection", c);  // distinct arguments: a connection of its own
-            auto channel = grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args);
-            if (c == 0) n->channel = channel;
-            n->stubs.push_back(v1::Inference::NewStub(channel));
+            n->channels.push_back(grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args));
           }
+          n->stub = v1::Inference::NewStub(n->channels[0]);
           Node* raw = n.get();
           n->watcher = std::thread([raw] { raw->Watch(); });
         }
@@ -179,64 +177,403 @@ grpc::Status Gateway::Done(const grpc::Status& s) {
   return s;
 }
 
-grpc::Status Gateway::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                               grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  if (auto s = auth::RequireApiKey(*ctx); !s.ok()) return Done(s);
-  m_inflight_->Inc();
-  struct Dec {
-    metrics::Gauge* g;
-    ~Dec() { g->Dec(); }
-  } dec{m_inflight_};
-  std::set<std::string> tried;
-  grpc::Status last(grpc::StatusCode::UNAVAILABLE, "no attention node is serving");
-  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
-    std::shared_ptr<Node> node = Pick(tried, absl::Now());
-    if (!node) break;
-    tried.insert(node->id);
-    if (attempt > 0) m_retries_->Inc();
-    if (!req->request_id().empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      by_request_id_[req->request_id()] = node;
+// A completion-queue tag: what to do once its operation completes (`ok` as Next says).
+struct Gateway::Event {
+  virtual ~Event() = default;
+  virtual void Done(bool ok) = 0;
+};
+
+template <class T>
+struct Gateway::On final : Gateway::Event {
+  On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
+  void Done(bool ok) override { (self->*fn)(ok); }
+  T* self;
+  void (T::*fn)(bool);
+};
+
+// One TokenStreams.Multiplex call to a node, carrying many Calls' streams. Broken for good once
+// it fails (the next stream to the node opens a new one); it deletes itself once its operations
+// are through. Loop thread only.
+class Gateway::Mux {
+ public:
+  Mux(Gateway* gw, std::shared_ptr<Node> node, size_t connection) : gw_(gw), node_(std::move(node)), connection_(connection) {
+    ++gw_->live_muxes_;
+    auth::AddNodeCredentials(&ctx_);
+    rw_ = v1::TokenStreams::NewStub(node_->channels[connection_])->PrepareAsyncMultiplex(&ctx_, gw_->cq_.get());
+    rw_->StartCall(&started_);
+  }
+  ~Mux() { --gw_->live_muxes_; }
+
+  // Queues the stream's request; false when this call is broken.
+  bool Open(Call* call, const v1::StreamOpen& open);
+  // The node frees the stream; the Call hears nothing more of it.
+  void Cancel(uint64_t stream) {
+    if (streams_.erase(stream) == 0 || broken_) return;
+    queued_.add_cancel(stream);
+    Send();
+  }
+  void Close() { ctx_.TryCancel(); }
+
+ private:
+  void Started(bool ok) {
+    if (!ok) {  // no call: Finish says why
+      Fail();
+      rw_->Finish(&status_, &finished_);
+      return;
     }
-    // The client's deadline and cancellation reach the node with the call.
-    std::unique_ptr<grpc::ClientContext> up = Upstream(*ctx);
-    auto reader = node->stub().Generate(up.get(), *req);
-    bool sent = false;  // something reached the client: no retry from here on
-    v1::GenerateResponse resp;
-    bool client_gone = false;
-    while (reader->Read(&resp)) {
-      sent = true;
-      if (!writer->Write(resp)) {
-        client_gone = true;
-        up->TryCancel();
-        break;
+    ready_ = true;
+    rw_->Read(&down_, &read_);
+    Send();
+  }
+  void ReadDone(bool ok);
+  void WriteDone(bool ok) {
+    writing_ = false;
+    if (finish_done_) {
+      delete this;
+      return;
+    }
+    if (!ok) {  // the read fails too, and then Finish
+      Fail();
+      ctx_.TryCancel();
+    }
+    Send();
+  }
+  void FinishDone(bool);
+  // The next write, of everything queued since the last one.
+  void Send() {
+    if (!ready_ || writing_ || broken_ || (queued_.open_size() == 0 && queued_.cancel_size() == 0)) return;
+    sending_.Swap(&queued_);
+    queued_.Clear();
+    writing_ = true;
+    rw_->Write(sending_, &wrote_);
+  }
+  // No new streams here.
+  void Fail() {
+    if (broken_) return;
+    broken_ = true;
+    auto it = gw_->muxes_.find(node_.get());
+    if (it != gw_->muxes_.end()) {
+      if (it->second[connection_] == this) it->second[connection_] = nullptr;
+      if (std::all_of(it->second.begin(), it->second.end(), [](Mux* m) { return m == nullptr; })) gw_->muxes_.erase(it);
+    }
+  }
+
+  Gateway* const gw_;
+  const std::shared_ptr<Node> node_;
+  const size_t connection_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriterInterface<v1::MultiplexUp, v1::MultiplexDown>> rw_;
+  On<Mux> started_{this, &Mux::Started}, read_{this, &Mux::ReadDone}, wrote_{this, &Mux::WriteDone},
+      finished_{this, &Mux::FinishDone};
+  bool ready_ = false, writing_ = false, broken_ = false, finish_done_ = false;
+  v1::MultiplexUp queued_, sending_;
+  v1::MultiplexDown down_;
+  grpc::Status status_;
+  std::map<uint64_t, Call*> streams_;
+};
+
+// One client stream. Its tokens go out as they come; those that arrive while a write to the
+// client is in flight go out together in the next one. Loop thread only; it deletes itself once
+// the call is done and its operations are through.
+class Gateway::Call {
+ public:
+  // Waits for the next Generate.
+  explicit Call(Gateway* gw) : gw_(gw) {
+    ++gw_->live_calls_;
+    ctx_.AsyncNotifyWhenDone(&done_);
+    gw_->RequestGenerate(&ctx_, &req_, &writer_, gw_->cq_.get(), gw_->cq_.get(), &arrived_);
+  }
+  ~Call() {
+    if (arrived_ok_) gw_->m_inflight_->Dec();
+    --gw_->live_calls_;
+  }
+
+  void OnChunk(const v1::StreamChunk& c) {
+    if (c.stream() != stream_) return;
+    const v1::GenerateResponse& r = c.response();
+    if (r.token_ids_size() > 0 || r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      sent_ = true;
+      pending_.mutable_token_ids()->Add(r.token_ids().begin(), r.token_ids().end());
+      if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+        pending_.set_finish_reason(r.finish_reason());
+        *pending_.mutable_usage() = r.usage();
+      }
+      has_pending_ = true;
+      Flush();
+    }
+    if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()));
+  }
+  // The call carrying the stream failed.
+  void OnBroken(const grpc::Status& s) { Ended(s); }
+
+ private:
+  void Arrived(bool ok) {
+    if (!ok) {  // the server is shutting down: no call came
+      delete this;
+      return;
+    }
+    new Call(gw_);  // for the next one
+    arrived_ok_ = true;
+    gw_->m_inflight_->Inc();
+    const auto& md = ctx_.client_metadata();
+    if (auto it = md.find("authorization"); it != md.end()) open_.set_authorization(std::string(it->second.data(), it->second.size()));
+    if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) {
+      deadline_ = absl::FromChrono(ctx_.deadline());
+      open_.set_deadline_unix_micros(absl::ToUnixMicros(deadline_));
+    }
+    open_.mutable_request()->Swap(&req_);
+    if (grpc::Status s = auth::CheckApiKey(open_.authorization()); !s.ok()) {
+      EndWith(s);
+      return;
+    }
+    Attempt();
+  }
+
+  void WriteDone(bool ok) {
+    writing_ = false;
+    if (!ok) {  // the client went away: the node frees the request
+      has_pending_ = false;
+      Drop();
+      EndWith({grpc::StatusCode::CANCELLED, "stream closed by the client"});
+    }
+    Flush();
+    MaybeDelete();
+  }
+
+  void FinishDone(bool) {
+    finish_done_ = true;
+    MaybeDelete();
+  }
+
+  // The call is over: finished, or cancelled by the client or its deadline.
+  void CallDone(bool) {
+    call_done_ = true;
+    if (ctx_.IsCancelled()) {
+      cancelled_ = true;
+      has_pending_ = false;
+      Drop();
+      if (deadline_ <= absl::Now() + absl::Milliseconds(500)) {
+        EndWith({grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"});
+      } else {
+        EndWith({grpc::StatusCode::CANCELLED, "cancelled by the client"});
       }
     }
-    const grpc::Status s = reader->Finish();
-    Release(node);
-    if (!req->request_id().empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = by_request_id_.find(req->request_id());
-      if (it != by_request_id_.end() && it->second == node) by_request_id_.erase(it);
+    MaybeDelete();
+  }
+
+  void MaybeDelete() {
+    if (!call_done_ || writing_) return;
+    if (arrived_ok_ && !finish_done_) return;
+    if (mux_ != nullptr || node_ != nullptr) Drop();
+    delete this;
+  }
+
+  // Sends the request to the best node not tried yet; without one, the call ends.
+  void Attempt() {
+    while (true) {
+      std::shared_ptr<Node> node;
+      if (attempts_ < gw_->options_.max_attempts && !gw_->closing_ && !cancelled_) node = gw_->Pick(tried_, absl::Now());
+      if (!node) {
+        EndWith({grpc::StatusCode::UNAVAILABLE,
+                 tried_.empty() ? std::string("no attention node is serving")
+                                : absl::StrCat("tried ", tried_.size(), " attention node(s); last: ", last_.error_message())});
+        return;
+      }
+      if (attempts_++ > 0) gw_->m_retries_->Inc();
+      tried_.insert(node->id);
+      const std::string& name = open_.request().request_id();
+      if (!name.empty()) {
+        std::lock_guard<std::mutex> lock(gw_->mu_);
+        gw_->by_request_id_[name] = node;
+      }
+      Mux* mux = gw_->MuxFor(node);
+      stream_ = gw_->next_stream_++;
+      open_.set_stream(stream_);
+      if (mux->Open(this, open_)) {
+        node_ = std::move(node);
+        mux_ = mux;
+        return;
+      }
+      Leave(node);
+      last_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                           absl::StrCat("attention node ", node->id, " (", node->address, "): its stream call failed"));
     }
-    if (client_gone) return Done({grpc::StatusCode::CANCELLED, "stream closed by the client"});
-    if (s.ok() || ctx->IsCancelled() || !NodeFailure(s.error_code())) return Done(s);
-    if (sent)
-      return Done({grpc::StatusCode::UNAVAILABLE,
-                   absl::StrCat("attention node ", node->id, " (", node->address, ") failed after the first token: ",
-                                s.error_message())});
+  }
+
+  // The node ended the stream, or the call carrying it failed: the client gets the status, or,
+  // while no token has reached it, another node gets the request.
+  void Ended(const grpc::Status& s) {
+    std::shared_ptr<Node> node = std::move(node_);
+    mux_ = nullptr;
+    stream_ = 0;
+    if (node) Leave(node);
+    if (cancelled_ || end_ || !node) return;
+    if (s.ok() || !NodeFailure(s.error_code())) {
+      EndWith(s);
+      return;
+    }
+    if (sent_) {
+      EndWith({grpc::StatusCode::UNAVAILABLE, absl::StrCat("attention node ", node->id, " (", node->address,
+                                                           ") failed after the first token: ", s.error_message())});
+      return;
+    }
     // Nothing reached the client yet: the request may go to another node.
     std::fprintf(stderr, "k3serve-gateway: %s (%s) failed before the first token: %s; trying another node\n",
                  node->id.c_str(), node->address.c_str(), s.error_message().c_str());
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(gw_->mu_);
       node->down_until = absl::Now() + absl::Seconds(1);
     }
-    last = grpc::Status(s.error_code(), absl::StrCat("attention node ", node->id, " (", node->address, "): ", s.error_message()));
+    last_ = grpc::Status(s.error_code(), absl::StrCat("attention node ", node->id, " (", node->address, "): ", s.error_message()));
+    Attempt();
   }
-  return Done({grpc::StatusCode::UNAVAILABLE,
-               tried.empty() ? std::string("no attention node is serving")
-                             : absl::StrCat("tried ", tried.size(), " attention node(s); last: ", last.error_message())});
+
+  // The client is gone: the node frees the stream.
+  void Drop() {
+    if (mux_ != nullptr) mux_->Cancel(stream_);
+    mux_ = nullptr;
+    stream_ = 0;
+    if (node_) Leave(node_);
+    node_.reset();
+  }
+
+  // The call's status, sent once the writes before it are through.
+  void EndWith(const grpc::Status& s) {
+    if (end_) return;
+    end_ = gw_->Done(s);
+    Flush();
+  }
+
+  // The next write to the client, or the finish.
+  void Flush() {
+    if (finishing_ || writing_) return;
+    if (has_pending_ && !cancelled_) {
+      writing_msg_.Swap(&pending_);
+      pending_.Clear();
+      has_pending_ = false;
+      writing_ = true;
+      writer_.Write(writing_msg_, &wrote_);
+      return;
+    }
+    if (end_) {
+      finishing_ = true;
+      writer_.Finish(*end_, &finished_);
+    }
+  }
+
+  // The node no longer carries this stream.
+  void Leave(const std::shared_ptr<Node>& node) {
+    gw_->Release(node);
+    const std::string& name = open_.request().request_id();
+    if (name.empty()) return;
+    std::lock_guard<std::mutex> lock(gw_->mu_);
+    auto it = gw_->by_request_id_.find(name);
+    if (it != gw_->by_request_id_.end() && it->second == node) gw_->by_request_id_.erase(it);
+  }
+
+  Gateway* const gw_;
+  grpc::ServerContext ctx_;
+  v1::GenerateRequest req_;
+  grpc::ServerAsyncWriter<v1::GenerateResponse> writer_{&ctx_};
+  On<Call> arrived_{this, &Call::Arrived}, wrote_{this, &Call::WriteDone}, finished_{this, &Call::FinishDone},
+      done_{this, &Call::CallDone};
+  bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
+
+  v1::StreamOpen open_;  // the request as it goes to a node
+  absl::Time deadline_ = absl::InfiniteFuture();
+  std::set<std::string> tried_;
+  int attempts_ = 0;
+  grpc::Status last_;
+  std::shared_ptr<Node> node_;  // the node of the attempt in flight
+  Mux* mux_ = nullptr;          // and the call that carries it
+  uint64_t stream_ = 0;         // its stream id on that call
+  bool sent_ = false;           // tokens reached the client: no retry from here on
+  bool cancelled_ = false;
+  v1::GenerateResponse pending_, writing_msg_;
+  bool has_pending_ = false, writing_ = false, finishing_ = false;
+  std::optional<grpc::Status> end_;
+};
+
+bool Gateway::Mux::Open(Call* call, const v1::StreamOpen& open) {
+  if (broken_) return false;
+  streams_[open.stream()] = call;
+  *queued_.add_open() = open;
+  Send();
+  return true;
+}
+
+void Gateway::Mux::ReadDone(bool ok) {
+  if (!ok) {  // the call is over: Finish says why
+    Fail();
+    rw_->Finish(&status_, &finished_);
+    return;
+  }
+  for (const v1::StreamChunk& c : down_.chunks()) {
+    auto it = streams_.find(c.stream());
+    if (it == streams_.end()) continue;  // cancelled meanwhile
+    Call* call = it->second;
+    if (c.end()) streams_.erase(it);
+    call->OnChunk(c);
+  }
+  rw_->Read(&down_, &read_);  // also once broken: the read then fails, and Finish follows
+}
+
+void Gateway::Mux::FinishDone(bool) {
+  // Whatever ended the call carrying them, the streams did not end by the node's judgement.
+  if (!NodeFailure(status_.error_code()))
+    status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                           absl::StrCat("the stream call to the node ended (", CodeName(status_.error_code()), ": ",
+                                        status_.error_message(), ")"));
+  std::map<uint64_t, Call*> orphans;
+  orphans.swap(streams_);
+  for (auto& [id, call] : orphans) call->OnBroken(status_);
+  finish_done_ = true;
+  if (!writing_) delete this;  // else once the write's completion is in
+}
+
+void Gateway::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
+  cq_ = std::move(cq);
+  new Call(this);
+  loop_ = std::thread([this] { Loop(); });
+}
+
+void Gateway::Loop() {
+  void* tag;
+  bool ok;
+  while (cq_->Next(&tag, &ok)) static_cast<Event*>(tag)->Done(ok);
+}
+
+Gateway::Mux* Gateway::MuxFor(const std::shared_ptr<Node>& n) {
+  std::vector<Mux*>& per_connection = muxes_[n.get()];
+  if (per_connection.empty()) per_connection.resize(n->channels.size());
+  Mux*& m = per_connection[next_mux_++ % per_connection.size()];
+  if (m == nullptr) m = new Mux(this, n, &m - per_connection.data());
+  return m;
+}
+
+void Gateway::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (cq_ == nullptr) return;
+  // On the loop thread: no new calls to the nodes, and those open end.
+  struct CloseAll final : Event {
+    explicit CloseAll(Gateway* gw) : gw(gw) {}
+    void Done(bool) override {
+      gw->closing_ = true;
+      for (auto& [node, per_connection] : gw->muxes_)
+        for (Mux* m : per_connection)
+          if (m != nullptr) m->Close();
+    }
+    Gateway* gw;
+  } close_all(this);
+  grpc::Alarm alarm;
+  alarm.Set(cq_.get(), gpr_now(GPR_CLOCK_REALTIME), &close_all);
+  for (int i = 0; i < 500 && (live_muxes_ > 0 || live_calls_ > 0); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  cq_->Shutdown();
+  loop_.join();
 }
 
 grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) {
@@ -257,7 +594,7 @@ grpc::Status Gateway::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* re
   for (auto& n : targets) {
     auto up = Upstream(*ctx);
     v1::AbortResponse r;
-    if (n->stub().Abort(up.get(), *req, &r).ok() && r.found()) {
+    if (n->stub->Abort(up.get(), *req, &r).ok() && r.found()) {
       resp->set_found(true);
       break;
     }
@@ -274,7 +611,7 @@ grpc::Status Gateway::GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelI
     if (!node) break;
     tried.insert(node->id);
     auto up = Upstream(*ctx);
-    last = node->stub().GetModelInfo(up.get(), *req, resp);
+    last = node->stub->GetModelInfo(up.get(), *req, resp);
     Release(node);
     if (last.ok() || !NodeFailure(last.error_code())) return last;
   }

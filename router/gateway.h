@@ -3,6 +3,11 @@
 // from the router's board, forwards each Generate stream to the serving node with the least
 // outstanding work, retries on another node while no token has reached the client, and never
 // picks a node that is draining or not SERVING.
+//
+// Streams reach a node multiplexed (k3serve.v1.TokenStreams): one call per connection carries
+// all of them, one message per engine step, so the node pays gRPC's per-message work once per
+// step rather than per token and stream. The client streams and those calls are asynchronous, on
+// one completion queue that one thread serves: forwarding a token hops no thread.
 #pragma once
 
 #include <atomic>
@@ -20,6 +25,7 @@
 #include "absl/time/time.h"
 #include "common/metrics.h"
 #include "k3serve/v1/control.grpc.pb.h"
+#include "k3serve/v1/gateway.grpc.pb.h"
 #include "k3serve/v1/inference.grpc.pb.h"
 
 namespace k3::router {
@@ -32,36 +38,38 @@ struct GatewayOptions {
   // Streams opened within this window count as load the next report may not show yet.
   absl::Duration pending_window = absl::Milliseconds(800);
   int max_attempts = 3;  // nodes tried for one request before its first token
-  int connections = 4;   // per attention node
+  int connections = 1;   // per attention node, each carrying one multiplexed call
 };
 
-class Gateway final : public v1::Inference::Service {
+class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inference::Service> {
  public:
   Gateway(GatewayOptions options, metrics::Registry& registry);
   ~Gateway() override;
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  // Starts serving Generate on `cq` (the server's, from ServerBuilder::AddCompletionQueue).
+  void Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq);
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
 
   // Serving attention nodes known now (the gateway's health follows it).
   int serving_nodes();
+  // After the server's Shutdown: closes the calls to the nodes and stops the completion queue.
   void Stop();
 
  private:
+  struct Event;
+  template <class T>
+  struct On;
+  class Call;
+  class Mux;
   struct Node {
     ~Node();
     // Follows the node's grpc.health.v1 Watch: a drain shows here at once, before its next report.
     void Watch();
     std::string id;
     std::string address;
-    // Several connections: one HTTP/2 connection carrying every stream is read by one thread at
-    // a time on both ends. Streams take them in turn.
-    std::vector<std::unique_ptr<v1::Inference::Stub>> stubs;
-    std::atomic<uint32_t> next_stub{0};
-    v1::Inference::Stub& stub() { return *stubs[next_stub++ % stubs.size()]; }
-    std::shared_ptr<grpc::Channel> channel;  // the first connection (health watch)
+    std::vector<std::shared_ptr<grpc::Channel>> channels;  // one connection each
+    std::unique_ptr<v1::Inference::Stub> stub;             // Abort, GetModelInfo
     bool draining = false;       // as reported
     std::atomic<bool> healthy{false};  // SERVING, as the health watch last said
     std::atomic<bool> stop_watch{false};
@@ -77,6 +85,10 @@ class Gateway final : public v1::Inference::Service {
   // The serving node with the least outstanding work, not in `exclude`; counts the stream as open.
   std::shared_ptr<Node> Pick(const std::set<std::string>& exclude, absl::Time now);
   void Release(const std::shared_ptr<Node>& n);
+  // The completion queue's thread: every Call and Mux lives on it.
+  void Loop();
+  // A live multiplexed call to the node, its connections taken in turn (loop thread).
+  Mux* MuxFor(const std::shared_ptr<Node>& n);
   void RefreshLoop();
   void Refresh();
   grpc::Status Done(const grpc::Status& s);
@@ -89,6 +101,15 @@ class Gateway final : public v1::Inference::Service {
   std::map<std::string, std::shared_ptr<Node>> by_request_id_;  // live requests that named themselves
   bool stopping_ = false;
   std::thread refresher_;
+
+  // The loop thread's own.
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::thread loop_;
+  std::map<Node*, std::vector<Mux*>> muxes_;  // per connection; null until used (a Mux holds its Node)
+  uint32_t next_mux_ = 0;
+  uint64_t next_stream_ = 1;
+  bool closing_ = false;                      // Stop: no new calls to the nodes
+  std::atomic<int> live_calls_{0}, live_muxes_{0};  // Stop waits for them
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Counter* m_retries_;

@@ -18,7 +18,7 @@ ABSL_FLAG(int, grpc_port, 50060, "public gRPC port (0: pick one)");
 ABSL_FLAG(int, metrics_port, 9160, "Prometheus /metrics port (0: pick one, -1: off)");
 ABSL_FLAG(int, refresh_ms, 200, "how often the attention nodes' load and health are read");
 ABSL_FLAG(int, max_attempts, 3, "attention nodes tried for one request before its first token");
-ABSL_FLAG(int, connections, 4, "gRPC connections to each attention node (streams take them in turn)");
+ABSL_FLAG(int, connections, 1, "gRPC connections to each attention node, each carrying one multiplexed call (streams take them in turn)");
 ABSL_FLAG(std::string, ready_file, "", "if set, write \"grpc_port metrics_port\" here once serving");
 
 int main(int argc, char** argv) {
@@ -48,11 +48,14 @@ int main(int argc, char** argv) {
   opt.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   opt.connections = absl::GetFlag(FLAGS_connections);
   k3::router::Gateway gateway(opt, registry);
-  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&gateway}, *creds);
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;  // Generate's (asynchronous)
+  auto grpc = k3::StartGrpcServer(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_grpc_port)), {&gateway},
+                                  *creds, [&cq](grpc::ServerBuilder& b) { cq = b.AddCompletionQueue(); });
   if (!grpc.ok()) {
     std::fprintf(stderr, "k3serve-gateway: %s\n", std::string(grpc.status().message()).c_str());
     return 2;
   }
+  gateway.Serve(std::move(cq));
   auto http = k3::StartMetricsServer(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port), registry);
   if (!http.ok()) {
     std::fprintf(stderr, "k3serve-gateway: metrics: %s\n", std::string(http.status().message()).c_str());

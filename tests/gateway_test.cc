@@ -2,14 +2,17 @@
 // nodes, and k3serve-gateway in front.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <grpcpp/grpcpp.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "absl/time/clock.h"
+#include "common/tls.h"
 #include "tests/cluster_testing.h"
 #include "tests/load_loop.h"
 #include "tests/testing.h"
@@ -54,10 +57,12 @@ std::vector<testing::Prompt> GoldenPrompts() {
   return out;
 }
 
-// Streams through the gateway get the golden continuations, spread over both attention nodes;
-// GetModelInfo and Abort pass through.
+// Streams through the gateway get the golden continuations, spread over both attention nodes (two
+// multiplexed calls to each); GetModelInfo and Abort pass through.
 TEST(Gateway, ForwardsSpreadsAndAborts) {
-  auto cluster = LocalCluster::Start(Options(2, 1));
+  ClusterOptions o = Options(2, 1);
+  o.gateway_args = {"--connections=2"};
+  auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const auto prompts = GoldenPrompts();
   ASSERT_FALSE(prompts.empty());
@@ -144,6 +149,93 @@ TEST(Gateway, RetriesBeforeTheFirstTokenAndNamesTheNodeAfter) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   EXPECT_NE(r.status().message().find("attention node attention-1"), std::string::npos) << r.status();
   EXPECT_NE(r.status().message().find("after the first token"), std::string::npos) << r.status();
+}
+
+// Over TLS, the client's API key reaches the node (the gateway here checks none; the node does),
+// and so do its deadline and its cancellation: the node frees those requests.
+TEST(Gateway, ForwardsApiKeysDeadlinesAndCancellation) {
+  const std::string dir = ::testing::TempDir() + "/k3serve-gateway-keys-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream keys(dir + "/api.keys");
+    keys << "k3-gw-key\n";
+  }
+  ClusterOptions o = Options(1, 1);
+  o.tls = true;
+  o.work_dir = dir + "/cluster";
+  o.attention_args = {"--api-keys-file=" + dir + "/api.keys"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  LocalCluster& c = **cluster;
+  auto creds = tls::ChannelCredentials({.cert = "", .key = "", .ca = c.ca_file()});
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  auto channel = grpc::CreateChannel(c.gateway_address(), *creds);
+  const auto prompts = GoldenPrompts();
+  ASSERT_FALSE(prompts.empty());
+
+  InferenceClient with_key(channel, "k3-gw-key");
+  auto r = with_key.Generate(prompts[0].ids, Greedy(static_cast<int>(prompts[0].expected.size())), absl::Seconds(60));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens, prompts[0].expected);
+  InferenceClient no_key(channel, "");
+  auto refused = no_key.Generate(prompts[0].ids, Greedy(4), absl::Seconds(60));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  InferenceClient plaintext(grpc::CreateChannel(c.gateway_address(), grpc::InsecureChannelCredentials()), "k3-gw-key");
+  EXPECT_FALSE(plaintext.Generate(prompts[0].ids, Greedy(4), absl::Seconds(2)).ok());
+
+  const int m = c.attention_metrics_ports()[0];
+  auto freed = [&] {
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (Live(m) > 0 && absl::Now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return Live(m) == 0;
+  };
+  // The deadline: the stream ends with DEADLINE_EXCEEDED, long before its 3000 tokens.
+  auto late = with_key.Generate({1, 5, 77}, Greedy(3000), absl::Milliseconds(400));
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_TRUE(freed()) << "the node still holds the request after its deadline";
+
+  // Cancellation after a few tokens.
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer k3-gw-key");
+  auto stub = k3serve::v1::Inference::NewStub(channel);
+  auto reader = stub->Generate(&ctx, MakeGenerateRequest({1, 5, 77}, Greedy(3000), "", ""));
+  k3serve::v1::GenerateResponse resp;
+  int seen = 0;
+  while (seen < 5 && reader->Read(&resp)) seen += resp.token_ids_size();
+  ASSERT_GE(seen, 5);
+  EXPECT_GT(Live(m), 0);
+  ctx.TryCancel();
+  while (reader->Read(&resp)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(freed()) << "the node still holds the request after the client cancelled";
+  EXPECT_GE(Metric(m, "k3serve_requests_total", "code=\"CANCELLED\""), 1);
+}
+
+// A drain that times out under a stream through the gateway: the client gets UNAVAILABLE naming
+// the node and saying why.
+TEST(AttentionDrain, TimeoutThroughTheGatewayNamesTheNode) {
+  ClusterOptions o = Options(1, 1);
+  o.attention_args = {"--drain-timeout=1", "--max-tokens-limit=60000", "--max-context=65536"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  InferenceClient client((*cluster)->gateway_address());
+  std::atomic<int> seen{0};
+  absl::StatusOr<GenerateResult> r;
+  std::thread stream([&] {
+    r = client.Generate({1, 5, 77}, Greedy(60000), absl::Seconds(60), [&](const std::vector<int32_t>& c) { seen += c.size(); });
+  });
+  while (seen < 5) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  auto posted = HttpPost("127.0.0.1", (*cluster)->attention_metrics_ports()[0], "/admin/drain");
+  ASSERT_TRUE(posted.ok()) << posted.status();
+  stream.join();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("attention node attention-0"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("server shutting down (drain timeout 1 s)"), std::string::npos) << r.status();
+  ASSERT_TRUE((*cluster)->attention(0).Wait(absl::Seconds(10)).has_value());
 }
 
 // SIGTERM of an attention node under load: its streams finish, the gateway sends it nothing new,
