@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <vector>
 
@@ -44,6 +45,10 @@ struct Case {
   bool split = false;    // x as split planes, out_f32
   int scale_base = 120;  // 126: scales on both sides of 2^1, the kernel's two dequantization paths
 };
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "N" << c.N << " D" << c.D << " I" << c.I << " E" << c.E << " k" << c.k << (c.split ? " split" : "")
+      << " scales from " << c.scale_base;
+}
 
 class Mxfp4ExpertsTest : public ::testing::TestWithParam<Case> {};
 
