@@ -105,6 +105,8 @@ void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows,
 struct Mxfp4Workspace::Buffers {
   int64_t max_pairs = 0, D = 0, I = 0, E = 0;
   int32_t *counts = nullptr, *offsets = nullptr, *slot_pair = nullptr, *pair_slot = nullptr;
+  // The direct kernels' work: [0] the number of passes, then (expert, first token) of each (PassList).
+  int32_t* passes = nullptr;
   bf16* h = nullptr;  // [2, P, I]: hi plane, then (split x) the lo plane
   bf16* y = nullptr;  // [2, P, D]
   // The dequantizing path (many pairs per expert): bf16 W1, W3, W2 of every expert, pointers into it, and the
@@ -115,14 +117,20 @@ struct Mxfp4Workspace::Buffers {
   void Free() {
     for (void* p : {static_cast<void*>(counts), static_cast<void*>(offsets), static_cast<void*>(slot_pair),
                     static_cast<void*>(pair_slot), static_cast<void*>(h), static_cast<void*>(y),
-                    static_cast<void*>(wbf), static_cast<void*>(wptr)})
+                    static_cast<void*>(wbf), static_cast<void*>(wptr), static_cast<void*>(passes)})
       cudaFree(p);
-    counts = offsets = slot_pair = pair_slot = nullptr;
+    counts = offsets = slot_pair = pair_slot = passes = nullptr;
     h = y = wbf = nullptr;
     wptr = nullptr;
     moe.reset();
   }
 };
+
+namespace {
+// At most this many passes of 8·tiles tokens over P pairs: each expert that received a pair has one pass with
+// fewer tokens at most.
+int64_t MaxPasses(int64_t P, int64_t E, int tiles) { return std::min(P, E) + (P + 8 * tiles - 1) / (8 * tiles); }
+}  // namespace
 
 Mxfp4Workspace::Mxfp4Workspace() : b_(std::make_unique<Buffers>()) {}
 Mxfp4Workspace::~Mxfp4Workspace() { b_->Free(); }
@@ -140,6 +148,7 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
   if ((e = cudaMalloc(&b.offsets, (b.E + 1) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.slot_pair, P * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.pair_slot, P * 4)) != cudaSuccess) return e;
+  if ((e = cudaMalloc(&b.passes, (1 + 2 * MaxPasses(P, b.E, 1)) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.h, 2 * P * b.I * 2)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.y, 2 * P * b.D * 2)) != cudaSuccess) return e;
   if (!dequant_copy || b.max_pairs < kMxfp4DequantMinPairsPerExpert * b.E) return cudaSuccess;
@@ -167,6 +176,7 @@ struct KernelArgs {
   const uint8_t* const* sb = nullptr;
   const int32_t* offsets = nullptr;
   const int32_t* slot_pair = nullptr;
+  const int32_t* passes = nullptr;  // PassList's
   int top_k = 1;
   const bf16* x = nullptr;  // gate/up: tokens' rows (slot_pair / top_k); down: h, one row per slot
   int64_t x_lo = 0;         // split x: the lo plane at x + x_lo (a multiple of 8); 0: plain bf16
@@ -205,20 +215,20 @@ __device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], 
 }
 __device__ __forceinline__ float Pow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
-// A warp: 16 weight rows of expert blockIdx.y against its tokens in passes of up to 8·kTiles (blockIdx.z,
-// + gridDim.z, …); a pass skips the n-tiles its tokens do not fill (warp-uniform). kTiles is chosen per launch from
+// A warp: 16 weight rows (blockIdx.y) against one pass of up to 8·kTiles tokens of one expert (blockIdx.x, the
+// pass list that PassList made: every pass its own CTA, so a busy expert's passes run side by side and no CTA
+// exists for an expert without tokens); a pass skips the n-tiles its tokens do not fill (warp-uniform). kTiles is
+// chosen per launch from
 // the average pairs per expert: one n-tile keeps the decode kernel at a few registers and many warps in flight (a
 // runtime count up to 8 took 153 registers and ran 1.9× slower at 8 pairs per expert). A split x runs its hi and lo
 // planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
 template <int kTiles, bool kGlu, bool kSplit>
 __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t r16 = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (r16 * 16 >= a.rows) return;
-  const int e = blockIdx.y;
+  const int64_t r16 = static_cast<int64_t>(blockIdx.y) * kWarps + warp;
+  if (r16 * 16 >= a.rows || static_cast<int>(blockIdx.x) >= a.passes[0]) return;
+  const int e = a.passes[1 + 2 * blockIdx.x], tok0 = a.passes[2 + 2 * blockIdx.x];
   const int begin = a.offsets[e], m = a.offsets[e + 1] - begin;
-  constexpr int kPassTokens = 8 * kTiles;
-  if (m <= static_cast<int>(blockIdx.z) * kPassTokens) return;
   const int64_t KB = a.K / 32;
   const uint2* qa = reinterpret_cast<const uint2*>(a.wa[e]) + r16 * KB * 32 + lane;
   const uint16_t* sa = reinterpret_cast<const uint16_t*>(a.sa[e]) + r16 * KB * 8 + g;
@@ -231,7 +241,7 @@ __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
     const uint8_t* rb = a.sb[e] + a.rows * KB + r16 * 16 + g;
     fb0 = Pow2(rb[0]), fb1 = Pow2(rb[8]);
   }
-  for (int tok0 = blockIdx.z * kPassTokens; tok0 < m; tok0 += gridDim.z * kPassTokens) {
+  {
     const int tiles = min(kTiles, (m - tok0 + 7) / 8);
     float ca[kTiles][4] = {}, cb[kTiles][4] = {};
     const uint4* xr[kTiles];
@@ -314,15 +324,37 @@ __global__ void CombineKernel(int64_t D, int top_k, const int32_t* pair_slot, co
   }
 }
 
+// The passes of tiles·8 tokens of every expert as (expert, first token), their number first: one block, a
+// thread per expert chunk, an exclusive scan of the chunks' pass counts.
+__global__ void PassListKernel(int E, int pass_tokens, const int32_t* counts, int32_t* passes) {
+  constexpr int kThreads = 1024;
+  __shared__ int sums[kThreads];
+  const int chunk = (E + kThreads - 1) / kThreads, e0 = min(E, static_cast<int>(threadIdx.x) * chunk),
+            e1 = min(E, e0 + chunk);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) mine += (counts[e] + pass_tokens - 1) / pass_tokens;
+  sums[threadIdx.x] = mine;
+  __syncthreads();
+  for (int d = 1; d < kThreads; d *= 2) {  // inclusive scan
+    const int v = threadIdx.x >= d ? sums[threadIdx.x - d] : 0;
+    __syncthreads();
+    sums[threadIdx.x] += v;
+    __syncthreads();
+  }
+  int at = sums[threadIdx.x] - mine;
+  for (int e = e0; e < e1; ++e)
+    for (int tok = 0; tok < counts[e]; tok += pass_tokens, ++at) passes[1 + 2 * at] = e, passes[2 + 2 * at] = tok;
+  if (threadIdx.x == kThreads - 1) passes[0] = sums[kThreads - 1];
+}
+
+int Tiles(int64_t avg_pairs) { return avg_pairs <= 8 ? 1 : avg_pairs <= 16 ? 2 : avg_pairs <= 32 ? 4 : 8; }
+
 template <bool kGlu, bool kSplit>
-cudaError_t Launch(const KernelArgs& k, int64_t num_experts, int64_t avg_pairs, cudaStream_t stream) {
-  // Up to kPassSplit CTAs (gridDim.z) share an expert's passes, so that a busy expert (Zipf's first) does not run
-  // its passes one after another in one warp while the others are done.
-  constexpr int64_t kPassSplit = 16;
-  const int nt = avg_pairs <= 8 ? 1 : avg_pairs <= 16 ? 2 : avg_pairs <= 32 ? 4 : 8;
-  const int64_t passes = (avg_pairs * num_experts + 8 * nt - 1) / (8 * nt);
-  const dim3 grid(static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps), static_cast<unsigned>(num_experts),
-                  static_cast<unsigned>(std::clamp<int64_t>(passes, 1, kPassSplit)));
+cudaError_t Launch(const KernelArgs& k, int64_t num_pairs, int64_t num_experts, int64_t avg_pairs,
+                   cudaStream_t stream) {
+  const int nt = Tiles(avg_pairs);
+  const dim3 grid(static_cast<unsigned>(MaxPasses(num_pairs, num_experts, nt)),
+                  static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps));
   if (nt == 1) {
     Mxfp4Kernel<1, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
   } else if (nt == 2) {
@@ -398,17 +430,19 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
     return MoeExperts(m, split ? MoeGemm::kTiled : MoeGemm::kAuto, *b.moe, stream);
   }
   const int64_t avg = (P + E - 1) / E;
+  PassListKernel<<<1, 1024, 0, stream>>>(static_cast<int>(E), 8 * Tiles(avg), b.counts, b.passes);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
   KernelArgs k;
-  k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.top_k = static_cast<int>(a.top_k);
+  k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.passes = b.passes, k.top_k = static_cast<int>(a.top_k);
   k.act = a.act, k.b1 = a.situ_beta, k.b2 = a.situ_linear_beta;
   const int64_t h_lo = split ? b.max_pairs * b.I : 0, y_lo = split ? b.max_pairs * b.D : 0;
   k.rows = a.I, k.K = a.D, k.wa = a.w1, k.sa = a.s1, k.wb = a.w3, k.sb = a.s3;
   k.x = a.x, k.x_lo = a.x_lo, k.out = b.h, k.out_lo = h_lo;
-  e = split ? Launch<true, true>(k, E, avg, stream) : Launch<true, false>(k, E, avg, stream);
+  e = split ? Launch<true, true>(k, P, E, avg, stream) : Launch<true, false>(k, P, E, avg, stream);
   if (e != cudaSuccess) return e;
   k.rows = a.D, k.K = a.I, k.wa = a.w2, k.sa = a.s2, k.wb = k.sb = nullptr;
   k.x = b.h, k.x_lo = h_lo, k.out = b.y, k.out_lo = y_lo;
-  e = split ? Launch<false, true>(k, E, avg, stream) : Launch<false, false>(k, E, avg, stream);
+  e = split ? Launch<false, true>(k, P, E, avg, stream) : Launch<false, false>(k, P, E, avg, stream);
   if (e != cudaSuccess) return e;
   CombineKernel<<<static_cast<unsigned>(a.N), 256, 0, stream>>>(
       a.D, static_cast<int>(a.top_k), b.pair_slot, a.w, b.y, y_lo, split ? nullptr : a.out, split ? a.out_f32 : nullptr,
