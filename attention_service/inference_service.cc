@@ -24,7 +24,7 @@ grpc::Status Invalid(const std::string& msg) { return {grpc::StatusCode::INVALID
 }  // namespace
 
 InferenceService::InferenceService(InferenceOptions options, metrics::Registry& reg)
-    : options_(std::move(options)), wake_(std::make_unique<On<InferenceService>>(this, &InferenceService::Wake)) {
+    : options_(std::move(options)), wake_(std::make_unique<CqOn<InferenceService>>(this, &InferenceService::Wake)) {
   // Rung by the engine thread after a step that gave a Generate stream output: one alarm wakes
   // the loop, however many streams got tokens.
   bell_ = std::make_shared<Bell>([this] {
@@ -192,8 +192,8 @@ class InferenceService::Stream final : public InferenceService::Pumped {
     }
     for (StepOutput& o : r_->stream->Take()) {
       grpc::Status end;
-      const bool last = s_->Take(*r_, o, &pending_, &end);
-      has_pending_ = pending_.token_ids_size() > 0 || pending_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+      const bool last = s_->Take(*r_, o, &out_.pending, &end);
+      out_.has_pending = out_.pending.token_ids_size() > 0 || out_.pending.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
       if (last) {
         EndRequest(end, false);
         return;
@@ -233,9 +233,9 @@ class InferenceService::Stream final : public InferenceService::Pumped {
   }
 
   void WriteDone(bool ok) {
-    writing_ = false;
+    out_.writing = false;
     if (!ok && !ended_) {  // the client went away: free the sequence
-      has_pending_ = false;
+      out_.has_pending = false;
       EndRequest(ClientGone(deadline_, "stream closed by the client"), true);
     }
     Flush();
@@ -252,7 +252,7 @@ class InferenceService::Stream final : public InferenceService::Pumped {
     call_done_ = true;
     if (ctx_.IsCancelled()) {
       cancelled_ = true;
-      has_pending_ = false;
+      out_.has_pending = false;
       if (r_ && !ended_) EndRequest(ClientGone(deadline_, "cancelled by the client"), true);
       Flush();
     }
@@ -260,46 +260,29 @@ class InferenceService::Stream final : public InferenceService::Pumped {
   }
 
   void MaybeDelete() {
-    if (!call_done_ || writing_ || (arrived_ok_ && !finish_done_)) return;
+    if (!call_done_ || out_.writing || (arrived_ok_ && !finish_done_)) return;
     delete this;  // (the request, if any, has ended: CallDone saw to it)
   }
 
   void EndWith(const grpc::Status& st) {
-    if (end_) return;
-    end_ = st;
+    if (out_.end) return;
+    out_.end = st;
     Flush();
   }
 
-  // The next write to the client, or the finish.
-  void Flush() {
-    if (finishing_ || writing_) return;
-    if (has_pending_ && !cancelled_) {
-      writing_msg_.Swap(&pending_);
-      pending_.Clear();
-      has_pending_ = false;
-      writing_ = true;
-      writer_.Write(writing_msg_, &wrote_);
-      return;
-    }
-    if (end_) {
-      finishing_ = true;
-      writer_.Finish(*end_, &finished_);
-    }
-  }
+  void Flush() { out_.Flush(writer_, !cancelled_, &wrote_, &finished_); }
 
   InferenceService* const s_;
   grpc::ServerContext ctx_;
   v1::GenerateRequest req_;
   grpc::ServerAsyncWriter<v1::GenerateResponse> writer_{&ctx_};
-  On<Stream> arrived_{this, &Stream::Arrived}, wrote_{this, &Stream::WriteDone}, finished_{this, &Stream::FinishDone},
+  CqOn<Stream> arrived_{this, &Stream::Arrived}, wrote_{this, &Stream::WriteDone}, finished_{this, &Stream::FinishDone},
       done_{this, &Stream::CallDone};
   bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
   absl::Time deadline_ = absl::InfiniteFuture();
   std::unique_ptr<Request> r_;  // kept until the call is gone: inflight() counts it
   bool ended_ = false, cancelled_ = false;
-  v1::GenerateResponse pending_, writing_msg_;
-  bool has_pending_ = false, writing_ = false, finishing_ = false;
-  std::optional<grpc::Status> end_;
+  CoalescedWrites<v1::GenerateResponse> out_;
 };
 
 void InferenceService::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
@@ -314,7 +297,7 @@ void InferenceService::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
 void InferenceService::Loop() {
   void* tag;
   bool ok;
-  while (cq_->Next(&tag, &ok)) static_cast<Event*>(tag)->Done(ok);
+  while (cq_->Next(&tag, &ok)) static_cast<CqEvent*>(tag)->Done(ok);
 }
 
 void InferenceService::Wake(bool) {

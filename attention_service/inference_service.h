@@ -12,6 +12,7 @@
 #include <grpcpp/alarm.h>
 
 #include "attention_service/engine_loop.h"
+#include "common/grpc_async.h"
 #include "common/metrics.h"
 #include "k3serve/v1/inference.grpc.pb.h"
 
@@ -90,19 +91,7 @@ class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1
   // Mean inter-token latency since the previous call (0 if no token followed another).
   double TakeMeanItl();
 
-  // The completion queue's loop, for other calls on it (the gateway's multiplexed ones). A
-  // completion-queue tag: what to do once its operation completes (`ok` as Next says).
-  struct Event {
-    virtual ~Event() = default;
-    virtual void Done(bool ok) = 0;
-  };
-  template <class T>
-  struct On final : Event {
-    On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
-    void Done(bool ok) override { (self->*fn)(ok); }
-    T* self;
-    void (T::*fn)(bool);
-  };
+  // The completion queue's loop (tags: common/grpc_async.h), for other calls on it (the gateway's multiplexed ones).
   // Woken after every engine step that gave output (loop thread).
   struct Pumped {
     virtual ~Pumped() = default;
@@ -139,7 +128,7 @@ class InferenceService final : public v1::Inference::WithAsyncMethod_Generate<v1
 
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   std::thread cq_thread_;
-  std::unique_ptr<Event> wake_;
+  std::unique_ptr<CqEvent> wake_;
   grpc::Alarm alarm_;
   std::mutex alarm_mu_;
   bool alarm_set_ = false, stopped_ = false;  // under alarm_mu_

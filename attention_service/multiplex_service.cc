@@ -37,7 +37,7 @@ class MultiplexService::Call final : public InferenceService::Pumped {
     for (auto it = streams_.begin(); it != streams_.end();) {
       InferenceService::Request& r = *it->second;
       if (drain_end != nullptr) {  // the drain timed out
-        v1::StreamChunk* c = pending_.add_chunks();
+        v1::StreamChunk* c = out_.pending.add_chunks();
         c->set_stream(it->first);
         SetEnd(c, s_.End(r, {grpc::StatusCode::UNAVAILABLE, *drain_end}, true));
         it = streams_.erase(it);
@@ -48,7 +48,7 @@ class MultiplexService::Call final : public InferenceService::Pumped {
         ++it;
         continue;
       }
-      v1::StreamChunk* c = pending_.add_chunks();
+      v1::StreamChunk* c = out_.pending.add_chunks();
       c->set_stream(it->first);
       bool last = false;
       for (StepOutput& o : outputs) {
@@ -110,13 +110,13 @@ class MultiplexService::Call final : public InferenceService::Pumped {
       }
       refused = ToGrpc(r.status());
     }
-    v1::StreamChunk* c = pending_.add_chunks();
+    v1::StreamChunk* c = out_.pending.add_chunks();
     c->set_stream(o.stream());
     SetEnd(c, s_.Finish(refused));
   }
 
   void WriteDone(bool ok) {
-    writing_ = false;
+    out_.writing = false;
     if (!ok) Close("the gateway went away");
     Flush();
     MaybeDelete();
@@ -139,28 +139,19 @@ class MultiplexService::Call final : public InferenceService::Pumped {
     closed_ = true;
     for (auto& [id, r] : streams_) s_.End(*r, InferenceService::ClientGone(r->deadline, why), true);
     streams_.clear();
-    pending_.Clear();
+    out_.pending.Clear();
     s_.RemovePumped(this);
     Flush();
   }
 
   void Flush() {
-    if (writing_ || finishing_) return;
-    if (pending_.chunks_size() > 0 && !closed_) {
-      writing_msg_.Swap(&pending_);
-      pending_.Clear();
-      writing_ = true;
-      rw_.Write(writing_msg_, &wrote_);
-      return;
-    }
-    if (closed_ && arrived_ok_) {
-      finishing_ = true;
-      rw_.Finish(grpc::Status::OK, &finished_);
-    }
+    out_.has_pending = out_.pending.chunks_size() > 0;
+    if (closed_ && arrived_ok_ && !out_.end) out_.end = grpc::Status::OK;
+    out_.Flush(rw_, !closed_, &wrote_, &finished_);
   }
 
   void MaybeDelete() {
-    if (!call_done_ || writing_ || reading_ || (arrived_ok_ && !finish_done_)) return;
+    if (!call_done_ || out_.writing || reading_ || (arrived_ok_ && !finish_done_)) return;
     s_.RemovePumped(this);
     delete this;
   }
@@ -169,13 +160,13 @@ class MultiplexService::Call final : public InferenceService::Pumped {
   InferenceService& s_;
   grpc::ServerContext ctx_;
   grpc::ServerAsyncReaderWriter<v1::MultiplexDown, v1::MultiplexUp> rw_{&ctx_};
-  using On = InferenceService::On<Call>;
+  using On = CqOn<Call>;
   On arrived_{this, &Call::Arrived}, read_{this, &Call::ReadDone}, wrote_{this, &Call::WriteDone},
       finished_{this, &Call::FinishDone}, done_{this, &Call::CallDone};
   bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
-  bool reading_ = false, writing_ = false, finishing_ = false, closed_ = false;
+  bool reading_ = false, closed_ = false;
   v1::MultiplexUp up_;
-  v1::MultiplexDown pending_, writing_msg_;
+  CoalescedWrites<v1::MultiplexDown> out_;
   std::map<uint64_t, std::unique_ptr<InferenceService::Request>> streams_;  // by the gateway's stream id
 };
 

@@ -177,20 +177,6 @@ grpc::Status Gateway::Done(const grpc::Status& s) {
   return s;
 }
 
-// A completion-queue tag: what to do once its operation completes (`ok` as Next says).
-struct Gateway::Event {
-  virtual ~Event() = default;
-  virtual void Done(bool ok) = 0;
-};
-
-template <class T>
-struct Gateway::On final : Gateway::Event {
-  On(T* self, void (T::*fn)(bool)) : self(self), fn(fn) {}
-  void Done(bool ok) override { (self->*fn)(ok); }
-  T* self;
-  void (T::*fn)(bool);
-};
-
 // One TokenStreams.Multiplex call to a node, carrying many Calls' streams. Broken for good once
 // it fails (the next stream to the node opens a new one); it deletes itself once its operations
 // are through. Loop thread only.
@@ -263,7 +249,7 @@ class Gateway::Mux {
   const size_t connection_;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientAsyncReaderWriterInterface<v1::MultiplexUp, v1::MultiplexDown>> rw_;
-  On<Mux> started_{this, &Mux::Started}, read_{this, &Mux::ReadDone}, wrote_{this, &Mux::WriteDone},
+  CqOn<Mux> started_{this, &Mux::Started}, read_{this, &Mux::ReadDone}, wrote_{this, &Mux::WriteDone},
       finished_{this, &Mux::FinishDone};
   bool ready_ = false, writing_ = false, broken_ = false, finish_done_ = false;
   v1::MultiplexUp queued_, sending_;
@@ -293,12 +279,12 @@ class Gateway::Call {
     const v1::GenerateResponse& r = c.response();
     if (r.token_ids_size() > 0 || r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       sent_ = true;
-      pending_.mutable_token_ids()->Add(r.token_ids().begin(), r.token_ids().end());
+      out_.pending.mutable_token_ids()->Add(r.token_ids().begin(), r.token_ids().end());
       if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-        pending_.set_finish_reason(r.finish_reason());
-        *pending_.mutable_usage() = r.usage();
+        out_.pending.set_finish_reason(r.finish_reason());
+        *out_.pending.mutable_usage() = r.usage();
       }
-      has_pending_ = true;
+      out_.has_pending = true;
       Flush();
     }
     if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()));
@@ -330,9 +316,9 @@ class Gateway::Call {
   }
 
   void WriteDone(bool ok) {
-    writing_ = false;
+    out_.writing = false;
     if (!ok) {  // the client went away: the node frees the request
-      has_pending_ = false;
+      out_.has_pending = false;
       Drop();
       EndWith({grpc::StatusCode::CANCELLED, "stream closed by the client"});
     }
@@ -350,7 +336,7 @@ class Gateway::Call {
     call_done_ = true;
     if (ctx_.IsCancelled()) {
       cancelled_ = true;
-      has_pending_ = false;
+      out_.has_pending = false;
       Drop();
       if (deadline_ <= absl::Now() + absl::Milliseconds(500)) {
         EndWith({grpc::StatusCode::DEADLINE_EXCEEDED, "the client's deadline passed"});
@@ -362,7 +348,7 @@ class Gateway::Call {
   }
 
   void MaybeDelete() {
-    if (!call_done_ || writing_) return;
+    if (!call_done_ || out_.writing) return;
     if (arrived_ok_ && !finish_done_) return;
     if (mux_ != nullptr || node_ != nullptr) Drop();
     delete this;
@@ -407,7 +393,7 @@ class Gateway::Call {
     mux_ = nullptr;
     stream_ = 0;
     if (node) Leave(node);
-    if (cancelled_ || end_ || !node) return;
+    if (cancelled_ || out_.end || !node) return;
     if (s.ok() || !NodeFailure(s.error_code())) {
       EndWith(s);
       return;
@@ -439,27 +425,12 @@ class Gateway::Call {
 
   // The call's status, sent once the writes before it are through.
   void EndWith(const grpc::Status& s) {
-    if (end_) return;
-    end_ = gw_->Done(s);
+    if (out_.end) return;
+    out_.end = gw_->Done(s);
     Flush();
   }
 
-  // The next write to the client, or the finish.
-  void Flush() {
-    if (finishing_ || writing_) return;
-    if (has_pending_ && !cancelled_) {
-      writing_msg_.Swap(&pending_);
-      pending_.Clear();
-      has_pending_ = false;
-      writing_ = true;
-      writer_.Write(writing_msg_, &wrote_);
-      return;
-    }
-    if (end_) {
-      finishing_ = true;
-      writer_.Finish(*end_, &finished_);
-    }
-  }
+  void Flush() { out_.Flush(writer_, !cancelled_, &wrote_, &finished_); }
 
   // The node no longer carries this stream.
   void Leave(const std::shared_ptr<Node>& node) {
@@ -475,7 +446,7 @@ class Gateway::Call {
   grpc::ServerContext ctx_;
   v1::GenerateRequest req_;
   grpc::ServerAsyncWriter<v1::GenerateResponse> writer_{&ctx_};
-  On<Call> arrived_{this, &Call::Arrived}, wrote_{this, &Call::WriteDone}, finished_{this, &Call::FinishDone},
+  CqOn<Call> arrived_{this, &Call::Arrived}, wrote_{this, &Call::WriteDone}, finished_{this, &Call::FinishDone},
       done_{this, &Call::CallDone};
   bool arrived_ok_ = false, call_done_ = false, finish_done_ = false;
 
@@ -489,9 +460,7 @@ class Gateway::Call {
   uint64_t stream_ = 0;         // its stream id on that call
   bool sent_ = false;           // tokens reached the client: no retry from here on
   bool cancelled_ = false;
-  v1::GenerateResponse pending_, writing_msg_;
-  bool has_pending_ = false, writing_ = false, finishing_ = false;
-  std::optional<grpc::Status> end_;
+  CoalescedWrites<v1::GenerateResponse> out_;
 };
 
 bool Gateway::Mux::Open(Call* call, const v1::StreamOpen& open) {
@@ -540,7 +509,7 @@ void Gateway::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
 void Gateway::Loop() {
   void* tag;
   bool ok;
-  while (cq_->Next(&tag, &ok)) static_cast<Event*>(tag)->Done(ok);
+  while (cq_->Next(&tag, &ok)) static_cast<CqEvent*>(tag)->Done(ok);
 }
 
 Gateway::Mux* Gateway::MuxFor(const std::shared_ptr<Node>& n) {
@@ -559,7 +528,7 @@ void Gateway::Stop() {
   }
   if (cq_ == nullptr) return;
   // On the loop thread: no new calls to the nodes, and those open end.
-  struct CloseAll final : Event {
+  struct CloseAll final : CqEvent {
     explicit CloseAll(Gateway* gw) : gw(gw) {}
     void Done(bool) override {
       gw->closing_ = true;

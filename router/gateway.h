@@ -23,6 +23,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/time/time.h"
+#include "common/grpc_async.h"
 #include "common/metrics.h"
 #include "k3serve/v1/control.grpc.pb.h"
 #include "k3serve/v1/gateway.grpc.pb.h"
@@ -57,9 +58,6 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   void Stop();
 
  private:
-  struct Event;
-  template <class T>
-  struct On;
   class Call;
   class Mux;
   struct Node {
