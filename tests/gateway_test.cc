@@ -51,10 +51,7 @@ std::string ReadLog(const std::string& path) {
 std::vector<testing::Prompt> GoldenPrompts() {
   auto golden = LoadGolden(testing::TinyModel());
   EXPECT_TRUE(golden.ok()) << golden.status();
-  std::vector<testing::Prompt> out;
-  if (golden.ok())
-    for (const auto& p : golden->prompts) out.push_back({p.input_ids, p.greedy_ids});
-  return out;
+  return golden.ok() ? testing::GoldenPrompts(*golden) : std::vector<testing::Prompt>{};
 }
 
 // Streams through the gateway get the golden continuations, spread over both attention nodes (two

@@ -11,6 +11,7 @@
 
 #include "absl/time/clock.h"
 #include "tools/client.h"
+#include "tools/golden.h"
 
 namespace k3::testing {
 
@@ -18,6 +19,13 @@ struct Prompt {
   std::vector<int32_t> ids;
   std::vector<int32_t> expected;  // greedy continuation (its length is max_tokens)
 };
+
+// A golden's prompts with its greedy continuations.
+inline std::vector<Prompt> GoldenPrompts(const Golden& golden) {
+  std::vector<Prompt> out;
+  for (const auto& p : golden.prompts) out.push_back({p.input_ids, p.greedy_ids});
+  return out;
+}
 
 class LoadLoop {
  public:
@@ -56,6 +64,11 @@ class LoadLoop {
   int ok() {
     std::lock_guard<std::mutex> lock(mu_);
     return ok_;
+  }
+  // Until n requests have completed (or the timeout).
+  void WaitOk(int n, absl::Duration timeout) {
+    const absl::Time end = absl::Now() + timeout;
+    while (ok() < n && absl::Now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   int mismatches() {
     std::lock_guard<std::mutex> lock(mu_);

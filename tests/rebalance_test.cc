@@ -17,6 +17,7 @@
 
 #include "absl/time/clock.h"
 #include "engine/engine.h"
+#include "tests/load_loop.h"
 #include "tests/testing.h"
 #include "tools/client.h"
 #include "tools/golden.h"
@@ -51,59 +52,13 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-// `streams` clients generating the golden greedy continuations in a loop; every result is checked.
-class Load {
- public:
-  Load(const std::string& address, const Golden& golden, int streams) {
-    for (int i = 0; i < streams; ++i)
-      threads_.emplace_back([this, address, &golden, i] {
-        InferenceClient client(address);
-        for (int n = 0; !stop_; ++n) {
-          const auto& p = golden.prompts[(i + n) % golden.prompts.size()];
-          SamplingParams sp;
-          sp.max_new_tokens = static_cast<int>(p.greedy_ids.size());
-          sp.ignore_eos = true;
-          auto r = client.Generate(p.input_ids, sp, absl::Seconds(60));
-          std::lock_guard<std::mutex> lock(mu_);
-          if (!r.ok()) {
-            failed_++;
-            if (first_error_.empty()) first_error_ = r.status().ToString();
-          } else if (r->tokens != p.greedy_ids) {
-            wrong_++;
-          } else {
-            ok_++;
-          }
-        }
-      });
-  }
-  ~Load() { Stop(); }
-  void Stop() {
-    stop_ = true;
-    for (auto& t : threads_)
-      if (t.joinable()) t.join();
-  }
-  int ok() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return ok_;
-  }
-  void WaitOk(int n, absl::Duration timeout) {
-    const absl::Time end = absl::Now() + timeout;
-    while (ok() < n && absl::Now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  void Expect() {
-    std::lock_guard<std::mutex> lock(mu_);
-    EXPECT_EQ(failed_, 0) << "first failure: " << first_error_;
-    EXPECT_EQ(wrong_, 0) << "continuations that differ from the golden";
-    std::printf("load: %d requests completed, %d failed, %d wrong\n", ok_, failed_, wrong_);
-  }
-
- private:
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  int ok_ = 0, failed_ = 0, wrong_ = 0;
-  std::string first_error_;
-};
+// Nothing the load sent failed, and every continuation is the golden one.
+void ExpectNoLoss(testing::LoadLoop& load) {
+  const auto failures = load.failures();
+  EXPECT_TRUE(failures.empty()) << "first failure: " << (failures.empty() ? "" : failures[0]);
+  EXPECT_EQ(load.mismatches(), 0) << "continuations that differ from the golden";
+  std::printf("load: %d requests completed, %zu failed, %d wrong\n", load.ok(), failures.size(), load.mismatches());
+}
 
 ClusterOptions Options(int experts) {
   ClusterOptions o;
@@ -123,7 +78,7 @@ TEST(Rebalance, ExpertJoiningAndLeavingUnderLoadLosesNothing) {
   auto golden = LoadGolden(Model());
   ASSERT_TRUE(golden.ok()) << golden.status();
   const double completed = WaitRouterMetric(c, "k3serve_rebalances_total", "completed", 1, absl::Seconds(10));
-  Load load(c.attention_addresses()[0], *golden, 8);
+  testing::LoadLoop load(c.attention_addresses()[0], testing::GoldenPrompts(*golden), 8);
   load.WaitOk(8, absl::Seconds(20));
 
   ASSERT_TRUE(c.AddExpert().ok());
@@ -141,7 +96,7 @@ TEST(Rebalance, ExpertJoiningAndLeavingUnderLoadLosesNothing) {
   EXPECT_GE(RouterMetric(c, "k3serve_rebalances_total", "completed"), completed + 2);
   load.WaitOk(load.ok() + 8, absl::Seconds(20));
   load.Stop();
-  load.Expect();
+  ExpectNoLoss(load);
   EXPECT_EQ(RouterMetric(c, "k3serve_rebalances_total", "abandoned"), 0);
   // The abandoned change still frees what it loaded before it ends.
   for (const absl::Time end = absl::Now() + absl::Seconds(5);
@@ -165,7 +120,7 @@ TEST(Rebalance, StalledChangeIsAbandonedAndServingContinues) {
   ASSERT_TRUE(golden.ok());
   ASSERT_GE(WaitRouterMetric(c, "k3serve_rebalances_total", "completed", 1, absl::Seconds(10)), 1);
   const double version = RouterMetric(c, "k3serve_placement_version");
-  Load load(c.attention_addresses()[0], *golden, 4);
+  testing::LoadLoop load(c.attention_addresses()[0], testing::GoldenPrompts(*golden), 4);
   load.WaitOk(4, absl::Seconds(20));
 
   ASSERT_TRUE(c.AddExpert().ok());
@@ -187,7 +142,7 @@ TEST(Rebalance, StalledChangeIsAbandonedAndServingContinues) {
   EXPECT_NE(log.find("abandoned: expert node expert-2 not ready"), std::string::npos) << log;
   load.WaitOk(load.ok() + 8, absl::Seconds(20));
   load.Stop();
-  load.Expect();
+  ExpectNoLoss(load);
   c.expert(2).Signal(SIGKILL);
   c.expert(2).Wait(absl::Seconds(5));
 }

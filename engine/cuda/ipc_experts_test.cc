@@ -11,22 +11,12 @@
 #include <chrono>
 #include <random>
 
+#include "engine/cuda/test_configs.h"
 #include "kernels/cuda/testing.cuh"
 
 namespace k3::cuda {
 namespace {
 
-// cuda_model_test.cc's Kimi-Linear-like model: KDA head dim 128 (the tuned kernels), MLA, two MoE layers.
-const char* kKimiLinearLike = R"({
-  "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 3, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-  "intermediate_size": 512, "first_k_dense_replace": 1,
-  "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4, "kda_layers": [1, 2],
-                         "full_attn_layers": [3]},
-  "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": null, "kv_lora_rank": 64,
-  "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-  "num_experts": 16, "num_experts_per_token": 4, "num_shared_experts": 1, "moe_intermediate_size": 64,
-  "routed_scaling_factor": 2.446, "moe_renormalize": true, "num_expert_group": 1, "topk_group": 1
-})";
 constexpr uint64_t kSeed = 7;
 constexpr int64_t kRows = 256;
 
