@@ -39,12 +39,7 @@ std::string DataDir(const std::string& name) { return testing::SourceDir() + "/t
 
 // Runs k3serve-mkmodel with `args`; returns its exit code, its output in *output.
 int MkModel(const std::string& args, std::string* output) {
-  const std::string cmd = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  char buf[512];
-  while (std::fgets(buf, sizeof(buf), p)) *output += buf;
-  const int status = ::pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return testing::RunCommand(std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel " + args, output);
 }
 
 // Seed 1 keeps every token of these tests away from a near-tie in the top-k routing, where the

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -57,6 +59,16 @@ inline std::string ReadText(const std::filesystem::path& path) {
 
 inline void WriteText(const std::filesystem::path& path, const std::string& text) {
   std::ofstream(path, std::ios::trunc) << text;
+}
+
+// Runs `command` with its stderr joined to its stdout; returns its exit code (−1 if it did not exit), its output
+// in *output.
+inline int RunCommand(const std::string& command, std::string* output) {
+  FILE* p = ::popen((command + " 2>&1").c_str(), "r");
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), p)) *output += buf;
+  const int status = ::pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 // A fresh scratch directory of this process, removed when the object goes.

@@ -38,13 +38,9 @@ std::string SourcePath(const std::string& rel) { return testing::SourceDir() + "
 
 void MkModel(const std::string& config, const std::string& out, const std::string& flags) {
   const std::string cmd = std::string(K3SERVE_BIN_DIR) + "/k3serve-mkmodel --config " + config + " --out " + out +
-                          " --seed 1 " + flags + " 2>&1";
+                          " --seed 1 " + flags;
   std::string output;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  char buf[512];
-  while (std::fgets(buf, sizeof(buf), p)) output += buf;
-  const int status = ::pclose(p);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd << "\n" << output;
+  ASSERT_EQ(testing::RunCommand(cmd, &output), 0) << cmd << "\n" << output;
 }
 
 // The example configs with widths that MXFP4's group of 32 divides (tiny-k3's experts are 48 wide).
