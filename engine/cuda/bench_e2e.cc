@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -232,6 +234,14 @@ int RunDisaggregatedIpc(const Monolithic& mono, int B, int W, int S) {
   const int P = static_cast<int>((*mono.prompts)[0].size());
   std::printf("\ndisaggregated over CUDA IPC: an attention-only engine here, the routed experts in an expert process "
               "on the same GPU\n");
+  // Without the MPS control daemon the two processes' contexts take turns on the GPU (time slices); with it their
+  // kernels run side by side. Clients find the daemon through its pipe directory.
+  const char* pipe_env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+  const std::string pipe_dir = pipe_env != nullptr && *pipe_env != '\0' ? pipe_env : "/tmp/nvidia-mps";
+  std::printf("MPS: %s\n", std::filesystem::exists(pipe_dir + "/control")
+                               ? ("control daemon found at " + pipe_dir + ": both processes' kernels share the GPU at once").c_str()
+                               : ("no control daemon at " + pipe_dir +
+                                  " (nvidia-cuda-mps-control -d starts one): the two contexts take turns on the GPU").c_str());
   cuda::CudaModelOptions opt = mono.options;
   opt.routed_experts = false;
   auto loaded = mono.config_text.empty() ? cuda::CudaModel::Load(mono.model_dir, opt)

@@ -127,15 +127,17 @@ struct Mxfp4Workspace::Buffers {
 };
 
 namespace {
-// At most this many passes of 8·tiles tokens over P pairs: each expert that received a pair has one pass with
-// fewer tokens at most.
-int64_t MaxPasses(int64_t P, int64_t E, int tiles) { return std::min(P, E) + (P + 8 * tiles - 1) / (8 * tiles); }
+// At most this many passes over P pairs (PassList's, at least 8 tokens a pass): each expert that received a pair
+// has one pass with fewer tokens at most.
+int64_t MaxPasses(int64_t P, int64_t E) { return std::min(P, E) + (P + 7) / 8; }
+cudaError_t AllowRingSmem();
 }  // namespace
 
 Mxfp4Workspace::Mxfp4Workspace() : b_(std::make_unique<Buffers>()) {}
 Mxfp4Workspace::~Mxfp4Workspace() { b_->Free(); }
 
 cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t E, bool dequant_copy) {
+  if (const cudaError_t e = AllowRingSmem(); e != cudaSuccess) return e;
   Buffers& b = *b_;
   const bool copy_missing = dequant_copy && b.wbf == nullptr && max_pairs >= kMxfp4DequantMinPairsPerExpert * E;
   if (max_pairs <= b.max_pairs && D <= b.D && I <= b.I && E <= b.E && !copy_missing) return cudaSuccess;
@@ -148,7 +150,7 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
   if ((e = cudaMalloc(&b.offsets, (b.E + 1) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.slot_pair, P * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.pair_slot, P * 4)) != cudaSuccess) return e;
-  if ((e = cudaMalloc(&b.passes, (1 + 2 * MaxPasses(P, b.E, 1)) * 4)) != cudaSuccess) return e;
+  if ((e = cudaMalloc(&b.passes, (1 + 2 * MaxPasses(P, b.E)) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.h, 2 * P * b.I * 2)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.y, 2 * P * b.D * 2)) != cudaSuccess) return e;
   if (!dequant_copy || b.max_pairs < kMxfp4DequantMinPairsPerExpert * b.E) return cudaSuccess;
@@ -166,7 +168,29 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
 
 namespace {
 
-constexpr int kWarps = 4;        // 64 weight rows per CTA
+constexpr int kWarps = 8;      // 128 weight rows per CTA
+constexpr int kStages = 6;     // the CTA's ring of stages in flight, two k32 blocks each
+constexpr int kMaxTiles = 4;   // n-tiles of 8 tokens a pass at most
+
+// The n-tiles of 8 tokens a pass of an expert with m pairs covers at most: its tokens in one pass up to 16, else
+// passes of 32, so that the experts at the head of a skewed routing dequantize their weights once per 32 tokens.
+__host__ __device__ __forceinline__ int PassTiles(int m) { return m <= 8 ? 1 : m <= 16 ? 2 : kMaxTiles; }
+
+// A stage of the ring: two k32 blocks of every warp's 16 rows, codes (256 bytes a block) then scales (16), of W1 (or
+// W2) and, gate/up, W3; then the pass's x over those 64 inputs, 128 bytes per token and plane, its two k32 halves
+// swapped on odd tokens (XOffset) so that a quarter warp's 16-byte reads (tokens g, g + 1) hit all 32 banks once.
+template <bool kGlu, bool kSplit>
+struct Ring {
+  static constexpr int kMats = kGlu ? 2 : 1, kPlanes = kSplit ? 2 : 1;
+  static constexpr int kWarpBytes = kMats * (512 + 32);
+  static constexpr int kXBytes = kPlanes * 8 * kMaxTiles * 128;
+  static constexpr int kStageBytes = kWarps * kWarpBytes + kXBytes;
+  static constexpr int kBytes = kStages * kStageBytes;
+  // Inputs 8·c .. 8·c + 7 (c = 4·h + t: k32 block h of the stage, t) of a token.
+  static __host__ __device__ constexpr int XOffset(int plane, int token, int c) {
+    return kWarps * kWarpBytes + (plane * 8 * kMaxTiles + token) * 128 + ((c ^ (token & 1) << 2) * 16);
+  }
+};
 
 struct KernelArgs {
   int64_t rows = 0, K = 0;  // weights [rows, K]
@@ -207,7 +231,9 @@ __device__ __forceinline__ uint32_t Mul(uint32_t v, uint32_t s) {
 // A lane's 16 weights of a (r16, kb) block as its A fragments of the two k16 steps: each register one funnel
 // shift and one LOP3 (a few two), one HMUL2 by the row's 2^(u − 127) (exact).
 __device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
-  const uint32_t lo = __byte_perm(s, 0, 0x0404) >> 1, hi = __byte_perm(s, 0, 0x1414) >> 1;  // bf16x2 2^(u−127)
+  // bf16x2 2^(u − 127) of the low and high byte u of s: u·(2^7 + 2^23), the products and s >> 8 (a high half) on the
+  // multiply pipe, which the placement's shifts and LOP3s leave idle.
+  const uint32_t lo = (s & 0xFFu) * 0x00800080u, hi = __umulhi(s, 1u << 24) * 0x00800080u;
   a0[0] = Mul(Place<0>(q.x, q.y), lo), a0[1] = Mul(Place<1>(q.x, q.y), hi);
   a0[2] = Mul(Place<2>(q.x, q.y), lo), a0[3] = Mul(Place<3>(q.x, q.y), hi);
   a1[0] = Mul(Place<4>(q.x, q.y), lo), a1[1] = Mul(Place<5>(q.x, q.y), hi);
@@ -215,86 +241,161 @@ __device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], 
 }
 __device__ __forceinline__ float Pow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
-// A warp: 16 weight rows (blockIdx.y) against one pass of up to 8·kTiles tokens of one expert (blockIdx.x, the
-// pass list that PassList made: every pass its own CTA, so a busy expert's passes run side by side and no CTA
-// exists for an expert without tokens); a pass skips the n-tiles its tokens do not fill (warp-uniform). kTiles is
-// chosen per launch from
-// the average pairs per expert: one n-tile keeps the decode kernel at a few registers and many warps in flight (a
-// runtime count up to 8 took 153 registers and ran 1.9× slower at 8 pairs per expert). A split x runs its hi and lo
-// planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
+// A CTA: kWarps warps of 16 weight rows each (blockIdx.y) against one pass of up to 8·kTiles tokens of one expert
+// (blockIdx.x, the pass list that PassList made: every pass its own CTA, so a busy expert's passes run side by side
+// and read its weights from L2 once, and no CTA exists for an expert without tokens). Weights and x stream through
+// the CTA's ring of kStages stages (cp.async: the loads in flight cost no registers, and x, which every warp of
+// the CTA reads, lands once); each lane dequantizes its fragments once for all the pass's n-tiles. A split x runs
+// its hi and lo planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
 template <int kTiles, bool kGlu, bool kSplit>
-__global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
+__device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, int begin, int m, int tok0) {
+  using R = Ring<kGlu, kSplit>;
+  constexpr int kMats = R::kMats;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t r16 = static_cast<int64_t>(blockIdx.y) * kWarps + warp;
-  if (r16 * 16 >= a.rows || static_cast<int>(blockIdx.x) >= a.passes[0]) return;
-  const int e = a.passes[1 + 2 * blockIdx.x], tok0 = a.passes[2 + 2 * blockIdx.x];
-  const int begin = a.offsets[e], m = a.offsets[e + 1] - begin;
+  const bool rows_in = r16 * 16 < a.rows;  // warps past the last rows still copy x and keep the barriers
   const int64_t KB = a.K / 32;
-  const uint2* qa = reinterpret_cast<const uint2*>(a.wa[e]) + r16 * KB * 32 + lane;
-  const uint16_t* sa = reinterpret_cast<const uint16_t*>(a.sa[e]) + r16 * KB * 8 + g;
-  const uint2* qb = kGlu ? reinterpret_cast<const uint2*>(a.wb[e]) + r16 * KB * 32 + lane : nullptr;
-  const uint16_t* sb = kGlu ? reinterpret_cast<const uint16_t*>(a.sb[e]) + r16 * KB * 8 + g : nullptr;
-  const uint8_t* ra = a.sa[e] + a.rows * KB + r16 * 16 + g;  // R of rows g, g + 8
-  const float fa0 = Pow2(ra[0]), fa1 = Pow2(ra[8]);
-  float fb0 = 1.0f, fb1 = 1.0f;
-  if (kGlu) {
-    const uint8_t* rb = a.sb[e] + a.rows * KB + r16 * 16 + g;
-    fb0 = Pow2(rb[0]), fb1 = Pow2(rb[8]);
-  }
-  {
-    const int tiles = min(kTiles, (m - tok0 + 7) / 8);
-    float ca[kTiles][4] = {}, cb[kTiles][4] = {};
-    const uint4* xr[kTiles];
-#pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt) {
-      const int tk = tok0 + nt * 8 + g;
-      const int64_t row = tk < m ? (kGlu ? a.slot_pair[begin + tk] / a.top_k : begin + tk) : -1;
-      xr[nt] = row >= 0 ? reinterpret_cast<const uint4*>(a.x + row * a.K) + t : nullptr;
+  const int NS = static_cast<int>((KB + 1) / 2);
+  // What this thread copies each stage, as sources advanced a stage at a time and offsets in a slot (shared
+  // addresses): its 16 bytes of each matrix's codes (lane l: block l / 16 of the stage), lanes 0 .. 2·kMats − 1
+  // a block's scales, and up to kMine 16-byte chunks of x (token, plane and part p: block p / 4, inputs 8·(p % 4)).
+  // An odd KB leaves the last stage's second block past K: it and x there are zeros, which add nothing.
+  const uint8_t* qsrc[kMats];
+  const uint8_t* ssrc = nullptr;
+  float fa0 = 1.0f, fa1 = 1.0f, fb0 = 1.0f, fb1 = 1.0f;
+  if (rows_in) {
+    qsrc[0] = a.wa[e] + r16 * KB * 256 + lane * 16;
+    if (kGlu) qsrc[kMats - 1] = a.wb[e] + r16 * KB * 256 + lane * 16;
+    const int ms = lane / 2 < kMats ? lane / 2 : 0;
+    ssrc = (ms == 0 ? a.sa[e] : a.sb[e]) + r16 * KB * 16 + (lane % 2) * 16;
+    const uint8_t* ra = a.sa[e] + a.rows * KB + r16 * 16 + g;  // R of rows g, g + 8
+    fa0 = Pow2(ra[0]), fa1 = Pow2(ra[8]);
+    if (kGlu) {
+      const uint8_t* rb = a.sb[e] + a.rows * KB + r16 * 16 + g;
+      fb0 = Pow2(rb[0]), fb1 = Pow2(rb[8]);
     }
-    // Deeper with one n-tile (more loads in flight), shallower with eight (registers).
-    constexpr int kUnroll = kTiles == 1 ? 8 : kTiles >= 8 ? 2 : 4;
-#pragma unroll kUnroll
-    for (int64_t kb = 0; kb < KB; ++kb) {
+  }
+  const uint32_t base = ptx::SmemAddr(smem);
+  const uint32_t cdst = warp * R::kWarpBytes + lane * 16,
+                 sdst = warp * R::kWarpBytes + kMats * 512 + (lane / 2) * 32 + (lane % 2) * 16;
+  const bool copies_scales = rows_in && lane < 2 * kMats;
+  constexpr int kChunks = R::kPlanes * 8 * kTiles * 8;
+  constexpr int kMine = (kChunks + kWarps * 32 - 1) / (kWarps * 32);
+  const bf16* xsrc[kMine];
+  uint32_t xdst[kMine];
+  bool xmine[kMine], xhigh[kMine], xreal[kMine];
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kWarps * 32;
+    const int plane = c / (8 * kTiles * 8), token = c / 8 % (8 * kTiles), part = c % 8, tk = tok0 + token;
+    xmine[i] = c < kChunks, xhigh[i] = part >= 4, xreal[i] = xmine[i] && tk < m;
+    xdst[i] = R::XOffset(plane, token, part);
+    xsrc[i] = a.x;  // a valid address for the zeros
+    if (xreal[i]) {
+      const int64_t row = kGlu ? a.slot_pair[begin + tk] / a.top_k : begin + tk;
+      xsrc[i] = a.x + row * a.K + plane * a.x_lo + (part / 4) * 32 + (part % 4) * 8;
+    }
+  }
+  const int half_st = KB % 2 == 1 ? NS - 1 : -1;
+  int wr = 0;
+  auto issue = [&](int st) {  // stage st into the next slot, one cp.async group; the sources advance a stage
+    if (st < NS) {
+      const uint32_t slot = base + wr * R::kStageBytes;
+      wr = wr == kStages - 1 ? 0 : wr + 1;
+      const bool half = st == half_st;
+      if (rows_in) {
+#pragma unroll
+        for (int mt = 0; mt < kMats; ++mt) {
+          ptx::CpAsync16At(slot + cdst + mt * 512, qsrc[mt], half && lane >= 16 ? 0 : 16);
+          qsrc[mt] += 512;
+        }
+      }
+      if (copies_scales) ptx::CpAsync16At(slot + sdst, ssrc, half && (lane & 1) ? 0 : 16);
+      ssrc += 32;
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        if (!xmine[i]) continue;
+        const bool in = xreal[i] && !(half && xhigh[i]);
+        ptx::CpAsync16At(slot + xdst[i], in ? xsrc[i] : a.x, in ? 16 : 0);
+        xsrc[i] += 64;
+      }
+    }
+    ptx::CpAsyncCommit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  // This lane's reads in a slot: codes and scales of its warp, x of token g (its two k32 halves swapped on odd g).
+  const uint32_t crd = warp * R::kWarpBytes + lane * 8, srd = warp * R::kWarpBytes + kMats * 512 + g * 2;
+  const uint32_t xrd0 = R::XOffset(0, g, t), xrd1 = R::XOffset(0, g, 4 + t);
+  float ca[kTiles][4] = {}, cb[kTiles][4] = {};
+  int rd = 0;
+  for (int it = 0; it < NS; ++it) {
+    ptx::CpAsyncWaitGroup<kStages - 2>();
+    __syncthreads();  // stage it landed for every thread, and every thread is done with stage it − 1's slot
+    issue(it + kStages - 1);
+    const uint8_t* slot = smem + rd * R::kStageBytes;
+    rd = rd == kStages - 1 ? 0 : rd + 1;
+    if (!rows_in) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
       uint32_t A0[4], A1[4], B0[4], B1[4];
-      Dequant(__ldg(qa + kb * 32), __ldg(sa + kb * 8), A0, A1);
-      if (kGlu) Dequant(__ldg(qb + kb * 32), __ldg(sb + kb * 8), B0, B1);
+      Dequant(*reinterpret_cast<const uint2*>(slot + crd + h * 256),
+              *reinterpret_cast<const uint16_t*>(slot + srd + h * 16), A0, A1);
+      if (kGlu)
+        Dequant(*reinterpret_cast<const uint2*>(slot + crd + 512 + h * 256),
+                *reinterpret_cast<const uint16_t*>(slot + srd + 32 + h * 16), B0, B1);
+      const uint32_t xrd = h == 0 ? xrd0 : xrd1;
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
-        if (nt >= tiles) break;
-        uint4 xv = make_uint4(0, 0, 0, 0), xl = make_uint4(0, 0, 0, 0);  // token g's inputs 8t .. 8t + 7
-        if (xr[nt] != nullptr) {
-          xv = __ldg(xr[nt] + kb * 4);
-          if (kSplit) xl = __ldg(xr[nt] + kb * 4 + a.x_lo / 8);
-        }
+        const uint4 xv = *reinterpret_cast<const uint4*>(slot + xrd + nt * 8 * 128);  // token g's inputs 8t ..
         ptx::Mma(ca[nt], A0, xv.x, xv.y);
         ptx::Mma(ca[nt], A1, xv.z, xv.w);
-        if (kSplit) {
-          ptx::Mma(ca[nt], A0, xl.x, xl.y);
-          ptx::Mma(ca[nt], A1, xl.z, xl.w);
-        }
         if (kGlu) {
           ptx::Mma(cb[nt], B0, xv.x, xv.y);
           ptx::Mma(cb[nt], B1, xv.z, xv.w);
-          if (kSplit) {
+        }
+        if (kSplit) {
+          const uint4 xl = *reinterpret_cast<const uint4*>(slot + xrd + (8 * kMaxTiles + nt * 8) * 128);
+          ptx::Mma(ca[nt], A0, xl.x, xl.y);
+          ptx::Mma(ca[nt], A1, xl.z, xl.w);
+          if (kGlu) {
             ptx::Mma(cb[nt], B0, xl.x, xl.y);
             ptx::Mma(cb[nt], B1, xl.z, xl.w);
           }
         }
       }
     }
+  }
+  ptx::CpAsyncWaitAll();
+  if (!rows_in) return;
 #pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt) {
-      if (nt >= tiles) break;
+  for (int nt = 0; nt < kTiles; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // c_i: row g + 8·(i / 2), token 2t + i % 2
-        const int tk = tok0 + nt * 8 + 2 * t + (i & 1);
-        if (tk >= m) continue;
-        const int64_t row = r16 * 16 + g + 8 * (i >> 1);
-        const float va = ca[nt][i] * (i >> 1 ? fa1 : fa0);
-        const float v = kGlu ? Glu(a.act, va, cb[nt][i] * (i >> 1 ? fb1 : fb0), a.b1, a.b2) : va;
-        StoreSplit(a.out + static_cast<int64_t>(begin + tk) * a.rows + row, kSplit ? a.out_lo : 0, v);
-      }
+    for (int i = 0; i < 4; ++i) {  // c_i: row g + 8·(i / 2), token 2t + i % 2
+      const int tk = tok0 + nt * 8 + 2 * t + (i & 1);
+      if (tk >= m) continue;
+      const int64_t row = r16 * 16 + g + 8 * (i >> 1);
+      const float va = ca[nt][i] * (i >> 1 ? fa1 : fa0);
+      const float v = kGlu ? Glu(a.act, va, cb[nt][i] * (i >> 1 ? fb1 : fb0), a.b1, a.b2) : va;
+      StoreSplit(a.out + static_cast<int64_t>(begin + tk) * a.rows + row, kSplit ? a.out_lo : 0, v);
     }
+  }
+}
+
+// The pass's n-tiles pick the body: the common one-tile pass keeps its accumulators and x copies few.
+template <bool kGlu, bool kSplit>
+__global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  if (static_cast<int>(blockIdx.x) >= a.passes[0]) return;
+  const int e = a.passes[1 + 2 * blockIdx.x], tok0 = a.passes[2 + 2 * blockIdx.x];
+  const int begin = a.offsets[e], m = a.offsets[e + 1] - begin;
+  const int tiles = min(PassTiles(m), (m - tok0 + 7) / 8);
+  if (tiles == 1) {
+    Pass<1, kGlu, kSplit>(a, smem, e, begin, m, tok0);
+  } else if (tiles == 2) {
+    Pass<2, kGlu, kSplit>(a, smem, e, begin, m, tok0);
+  } else {  // 3 or 4: a fourth n-tile of zeros at most
+    Pass<kMaxTiles, kGlu, kSplit>(a, smem, e, begin, m, tok0);
   }
 }
 
@@ -324,15 +425,15 @@ __global__ void CombineKernel(int64_t D, int top_k, const int32_t* pair_slot, co
   }
 }
 
-// The passes of tiles·8 tokens of every expert as (expert, first token), their number first: one block, a
-// thread per expert chunk, an exclusive scan of the chunks' pass counts.
-__global__ void PassListKernel(int E, int pass_tokens, const int32_t* counts, int32_t* passes) {
+// The passes of every expert as (expert, first token), their number first (8·PassTiles(count) tokens a pass):
+// one block, a thread per expert chunk, an exclusive scan of the chunks' pass counts.
+__global__ void PassListKernel(int E, const int32_t* counts, int32_t* passes) {
   constexpr int kThreads = 1024;
   __shared__ int sums[kThreads];
   const int chunk = (E + kThreads - 1) / kThreads, e0 = min(E, static_cast<int>(threadIdx.x) * chunk),
             e1 = min(E, e0 + chunk);
   int mine = 0;
-  for (int e = e0; e < e1; ++e) mine += (counts[e] + pass_tokens - 1) / pass_tokens;
+  for (int e = e0; e < e1; ++e) mine += (counts[e] + 8 * PassTiles(counts[e]) - 1) / (8 * PassTiles(counts[e]));
   sums[threadIdx.x] = mine;
   __syncthreads();
   for (int d = 1; d < kThreads; d *= 2) {  // inclusive scan
@@ -343,57 +444,91 @@ __global__ void PassListKernel(int E, int pass_tokens, const int32_t* counts, in
   }
   int at = sums[threadIdx.x] - mine;
   for (int e = e0; e < e1; ++e)
-    for (int tok = 0; tok < counts[e]; tok += pass_tokens, ++at) passes[1 + 2 * at] = e, passes[2 + 2 * at] = tok;
+    for (int tok = 0; tok < counts[e]; tok += 8 * PassTiles(counts[e]), ++at)
+      passes[1 + 2 * at] = e, passes[2 + 2 * at] = tok;
   if (threadIdx.x == kThreads - 1) passes[0] = sums[kThreads - 1];
 }
 
-int Tiles(int64_t avg_pairs) { return avg_pairs <= 8 ? 1 : avg_pairs <= 16 ? 2 : avg_pairs <= 32 ? 4 : 8; }
-
 template <bool kGlu, bool kSplit>
-cudaError_t Launch(const KernelArgs& k, int64_t num_pairs, int64_t num_experts, int64_t avg_pairs,
-                   cudaStream_t stream) {
-  const int nt = Tiles(avg_pairs);
-  const dim3 grid(static_cast<unsigned>(MaxPasses(num_pairs, num_experts, nt)),
+cudaError_t Launch(const KernelArgs& k, int64_t num_pairs, int64_t num_experts, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(MaxPasses(num_pairs, num_experts)),
                   static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps));
-  if (nt == 1) {
-    Mxfp4Kernel<1, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
-  } else if (nt == 2) {
-    Mxfp4Kernel<2, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
-  } else if (nt == 4) {
-    Mxfp4Kernel<4, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
-  } else {
-    Mxfp4Kernel<8, kGlu, kSplit><<<grid, kWarps * 32, 0, stream>>>(k);
-  }
+  Mxfp4Kernel<kGlu, kSplit><<<grid, kWarps * 32, Ring<kGlu, kSplit>::kBytes, stream>>>(k);
   return cudaGetLastError();
 }
 
-// The weights of the experts that received a pair, from fragment order to bf16 [rows, K] row-major: a thread per
-// lane of a (r16, kb) block, its 16 weights as Dequant makes them, times 2^R (exact), in two 16-byte stores.
-__global__ void DequantKernel(const uint8_t* const* w, const uint8_t* const* s, int64_t rows, int64_t K,
-                              const int32_t* counts, const bf16* const* out) {
+// The kernels' shared memory beyond the default 48 KB (once; outside any stream capture, from Reserve).
+cudaError_t AllowRingSmem() {
+  static const cudaError_t e = [] {
+    cudaError_t r;
+    if ((r = cudaFuncSetAttribute(Mxfp4Kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Ring<true, true>::kBytes)) != cudaSuccess)
+      return r;
+    if ((r = cudaFuncSetAttribute(Mxfp4Kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Ring<true, false>::kBytes)) != cudaSuccess)
+      return r;
+    if ((r = cudaFuncSetAttribute(Mxfp4Kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Ring<false, true>::kBytes)) != cudaSuccess)
+      return r;
+    return cudaFuncSetAttribute(Mxfp4Kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Ring<false, false>::kBytes);
+  }();
+  return e;
+}
+
+// The weights of the experts that received a pair, from fragment order to bf16 [rows, K] row-major. A warp takes
+// 16 rows × 8 k32 blocks: it loads the 8 blocks' fragments at once (coalesced 256 bytes each), dequantizes each
+// lane's 16 weights as Dequant makes them, times 2^R (exact), into a shared tile, and stores the tile a row at a time
+// (512 contiguous bytes a store: a scattered 64 bytes per row and block ran at a third of the copy bandwidth).
+constexpr int kDequantWarps = 4;
+constexpr int kDequantRow = 576;  // bytes of a tile row: 512, padded so that rows g and g + 1 fill all banks
+__global__ __launch_bounds__(kDequantWarps * 32) void DequantKernel(const uint8_t* const* w, const uint8_t* const* s,
+                                                                    int64_t rows, int64_t K, const int32_t* counts,
+                                                                    const bf16* const* out) {
+  __shared__ __align__(16) uint8_t tile[kDequantWarps][16 * kDequantRow];
   const int e = blockIdx.y;
   if (counts[e] == 0) return;
-  const int64_t KB = K / 32, id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (id >= rows / 16 * KB * 32) return;
-  const int lane = static_cast<int>(id % 32), g = lane / 4, t = lane % 4;
-  const int64_t blk = id / 32, r16 = blk / KB, kb = blk % KB;
-  const uint2 q = __ldg(reinterpret_cast<const uint2*>(w[e]) + id);
-  const uint32_t sc = __ldg(reinterpret_cast<const uint16_t*>(s[e]) + blk * 8 + g);
-  uint32_t a0[4], a1[4];
-  Dequant(q, sc, a0, a1);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t KB = K / 32, KG = (KB + 7) / 8;
+  const int64_t id = static_cast<int64_t>(blockIdx.x) * kDequantWarps + warp;  // (r16, group of 8 blocks)
+  if (id >= rows / 16 * KG) return;
+  const int64_t r16 = id / KG, kb0 = id % KG * 8;
+  const int nb = KB - kb0 < 8 ? static_cast<int>(KB - kb0) : 8;
+  uint2 q[8];
+  uint32_t sc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j >= nb) break;
+    q[j] = __ldg(reinterpret_cast<const uint2*>(w[e]) + (r16 * KB + kb0 + j) * 32 + lane);
+    sc[j] = __ldg(reinterpret_cast<const uint16_t*>(s[e]) + (r16 * KB + kb0 + j) * 8 + g);
+  }
   const uint8_t* r = s[e] + rows * KB + r16 * 16 + g;
   const uint32_t f0 = (r[0] + 127u) << 7, f1 = (r[8] + 127u) << 7;  // bf16 2^R
   const uint32_t p0 = f0 | f0 << 16, p1 = f1 | f1 << 16;
-  bf16* o = const_cast<bf16*>(out[e]) + (r16 * 16 + g) * K + kb * 32 + 8 * t;
-  *reinterpret_cast<uint4*>(o) = make_uint4(Mul(a0[0], p0), Mul(a0[2], p0), Mul(a1[0], p0), Mul(a1[2], p0));
-  *reinterpret_cast<uint4*>(o + 8 * K) = make_uint4(Mul(a0[1], p1), Mul(a0[3], p1), Mul(a1[1], p1), Mul(a1[3], p1));
+  uint8_t* tw = tile[warp];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j >= nb) break;
+    uint32_t a0[4], a1[4];
+    Dequant(q[j], sc[j], a0, a1);
+    *reinterpret_cast<uint4*>(tw + g * kDequantRow + j * 64 + t * 16) =
+        make_uint4(Mul(a0[0], p0), Mul(a0[2], p0), Mul(a1[0], p0), Mul(a1[2], p0));
+    *reinterpret_cast<uint4*>(tw + (g + 8) * kDequantRow + j * 64 + t * 16) =
+        make_uint4(Mul(a0[1], p1), Mul(a0[3], p1), Mul(a1[1], p1), Mul(a1[3], p1));
+  }
+  __syncwarp();
+  if (lane * 8 >= nb * 32) return;
+  bf16* o = const_cast<bf16*>(out[e]) + r16 * 16 * K + kb0 * 32 + lane * 8;
+#pragma unroll
+  for (int row = 0; row < 16; ++row)
+    *reinterpret_cast<uint4*>(o + row * K) = *reinterpret_cast<const uint4*>(tw + row * kDequantRow + lane * 16);
 }
 
 cudaError_t Dequantize(const uint8_t* const* w, const uint8_t* const* s, int64_t rows, int64_t K, int64_t E,
                        const int32_t* counts, const bf16* const* out, cudaStream_t stream) {
-  const int64_t threads = rows / 16 * (K / 32) * 32;
-  DequantKernel<<<dim3(static_cast<unsigned>((threads + 255) / 256), static_cast<unsigned>(E)), 256, 0, stream>>>(
-      w, s, rows, K, counts, out);
+  const int64_t tiles = rows / 16 * ((K / 32 + 7) / 8);
+  DequantKernel<<<dim3(static_cast<unsigned>((tiles + kDequantWarps - 1) / kDequantWarps), static_cast<unsigned>(E)),
+                  kDequantWarps * 32, 0, stream>>>(w, s, rows, K, counts, out);
   return cudaGetLastError();
 }
 
@@ -429,8 +564,7 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
     m.out = a.out, m.out_f32 = a.out_f32, m.experts_hit = a.experts_hit;
     return MoeExperts(m, split ? MoeGemm::kTiled : MoeGemm::kAuto, *b.moe, stream);
   }
-  const int64_t avg = (P + E - 1) / E;
-  PassListKernel<<<1, 1024, 0, stream>>>(static_cast<int>(E), 8 * Tiles(avg), b.counts, b.passes);
+  PassListKernel<<<1, 1024, 0, stream>>>(static_cast<int>(E), b.counts, b.passes);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   KernelArgs k;
   k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.passes = b.passes, k.top_k = static_cast<int>(a.top_k);
@@ -438,11 +572,11 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
   const int64_t h_lo = split ? b.max_pairs * b.I : 0, y_lo = split ? b.max_pairs * b.D : 0;
   k.rows = a.I, k.K = a.D, k.wa = a.w1, k.sa = a.s1, k.wb = a.w3, k.sb = a.s3;
   k.x = a.x, k.x_lo = a.x_lo, k.out = b.h, k.out_lo = h_lo;
-  e = split ? Launch<true, true>(k, P, E, avg, stream) : Launch<true, false>(k, P, E, avg, stream);
+  e = split ? Launch<true, true>(k, P, E, stream) : Launch<true, false>(k, P, E, stream);
   if (e != cudaSuccess) return e;
   k.rows = a.D, k.K = a.I, k.wa = a.w2, k.sa = a.s2, k.wb = k.sb = nullptr;
   k.x = b.h, k.x_lo = h_lo, k.out = b.y, k.out_lo = y_lo;
-  e = split ? Launch<false, true>(k, P, E, avg, stream) : Launch<false, false>(k, P, E, avg, stream);
+  e = split ? Launch<false, true>(k, P, E, stream) : Launch<false, false>(k, P, E, stream);
   if (e != cudaSuccess) return e;
   CombineKernel<<<static_cast<unsigned>(a.N), 256, 0, stream>>>(
       a.D, static_cast<int>(a.top_k), b.pair_slot, a.w, b.y, y_lo, split ? nullptr : a.out, split ? a.out_f32 : nullptr,

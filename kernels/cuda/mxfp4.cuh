@@ -4,13 +4,14 @@
 // tensor-core product; HBM carries 4.25 bits per weight instead of 16.
 //
 // Two paths (Mxfp4Gemm), by routed pairs per expert:
-//   kDirect   (decode, few tokens per expert: bandwidth-bound) the weights stream from HBM once per 64 tokens of
+//   kDirect   (decode, few tokens per expert: bandwidth-bound) the weights stream from HBM once per 32 tokens of
 //             an expert. Uploaded in a fragment order (Mxfp4ToFragments): for every 16 rows × 32 inputs, lane l of
 //             a warp reads the 8 bytes (16 codes) of its A fragments of the two k16 steps, re-encoded so that each
 //             bf16 pair takes one funnel shift and one LOP3 (a few: two shifts) plus one HMUL2 by the block's scale
-//             (mxfp4.cu says how), and 2 bytes of scales. A warp owns 16 weight rows and runs an expert's tokens in
-//             passes of up to 64, as many n-tiles of 8 as the expert's tokens fill; the gate/up kernel fuses the
-//             activation.
+//             (mxfp4.cu says how), and 2 bytes of scales. A CTA of 8 warps owns 128 weight rows of one pass of an
+//             expert (its tokens up to 16 in one pass, else passes of 32); weights and the pass's x stream through
+//             the CTA's shared-memory ring (cp.async, 6 stages of two k32 blocks), and each warp dequantizes its 16
+//             rows once for all the pass's n-tiles of 8 tokens; the gate/up kernel fuses the activation.
 //   kDequant  (prefill, from kMxfp4DequantMinPairsPerExpert pairs per expert on average: compute-bound) the hit
 //             experts' weights are dequantized once into a bf16 copy in the workspace (a bandwidth-bound pass,
 //             3·E·I·D·2 bytes of device memory: 3.7 GB at K3 latent widths with 56 experts), then our bf16 grouped
@@ -46,7 +47,7 @@ enum class Mxfp4Gemm {
   kDirect,
   kDequant,  // needs a workspace reserved for that many pairs per expert
 };
-constexpr int64_t kMxfp4DequantMinPairsPerExpert = 128;
+constexpr int64_t kMxfp4DequantMinPairsPerExpert = 192;
 
 struct Mxfp4ExpertsArgs {
   int64_t N = 0;            // tokens
@@ -61,7 +62,7 @@ struct Mxfp4ExpertsArgs {
   int64_t x_lo = 0;
   const int32_t* idx = nullptr;      // [N, k], in [−1, E); −1: not routed here
   const float* w = nullptr;          // [N, k]
-  // Device arrays of E device pointers, in fragment order (null where an expert is not held: its
+  // Device arrays of E device pointers, 16-byte aligned, in fragment order (null where an expert is not held: its
   // pairs must not be routed here).
   const uint8_t* const* w1 = nullptr;  // W1_e [I, D] codes (gate)
   const uint8_t* const* s1 = nullptr;  //        scales

@@ -23,6 +23,10 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
                : "memory");
 }
+// CpAsync16 to a shared-memory address (SmemAddr) the caller computed once.
+__device__ __forceinline__ void CpAsync16At(uint32_t smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+}
 // An L2 policy for data read once (streamed weights): evict its lines first, so that what is read again stays.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t policy;
