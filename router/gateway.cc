@@ -144,16 +144,74 @@ int Gateway::serving_nodes() {
   return n;
 }
 
-void Gateway::RefreshLoop() {
-  while (true) {
+// The board's list every `refresh`, on the loop's completion queue (no thread of its own polling the
+// sockets while it waits for the router): an alarm, then the call. It deletes itself once stopped and its
+// operations are through.
+class Gateway::BoardPoll {
+ public:
+  explicit BoardPoll(Gateway* gw) : gw_(gw) {
+    ++gw_->live_watches_;
+    std::lock_guard<std::mutex> lock(mu_);
+    WaitLocked();
+  }
+  ~BoardPoll() { --gw_->live_watches_; }
+
+  // Any thread; the caller forgets this poll.
+  void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    if (waiting_) {
+      alarm_.Cancel();  // Waited sees it
+    } else {
+      ctx_->TryCancel();  // Answered sees it
+    }
+  }
+
+ private:
+  void WaitLocked() {
+    waiting_ = true;
+    alarm_.Set(gw_->cq_.get(), absl::ToChronoTime(absl::Now() + gw_->options_.refresh), &waited_);
+  }
+  void Waited(bool) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
+      waiting_ = false;
+      if (!stopped_) {
+        reader_.reset();  // it lives in the call that the context holds
+        ctx_ = std::make_unique<grpc::ClientContext>();
+        ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+        auth::AddNodeCredentials(ctx_.get());
+        list_.Clear();
+        reader_ = gw_->board_->PrepareAsyncListAttentionNodes(ctx_.get(), v1::ListAttentionNodesRequest(), gw_->cq_.get());
+        reader_->StartCall();
+        reader_->Finish(&list_, &status_, &answered_);
+        return;
+      }
     }
-    absl::SleepFor(options_.refresh);
-    Refresh();
+    delete this;
   }
-}
+  void Answered(bool) {
+    gw_->Apply(status_, list_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stopped_) {
+        WaitLocked();
+        return;
+      }
+    }
+    delete this;
+  }
+
+  Gateway* const gw_;
+  std::mutex mu_;  // with Stop, from another thread
+  bool stopped_ = false, waiting_ = false;
+  grpc::Alarm alarm_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::AttentionNodes>> reader_;
+  v1::AttentionNodes list_;
+  grpc::Status status_;
+  CqOn<BoardPoll> waited_{this, &BoardPoll::Waited}, answered_{this, &BoardPoll::Answered};
+};
 
 void Gateway::Refresh() {
   grpc::ClientContext ctx;
@@ -161,6 +219,10 @@ void Gateway::Refresh() {
   auth::AddNodeCredentials(&ctx);
   v1::AttentionNodes list;
   const grpc::Status s = board_->ListAttentionNodes(&ctx, v1::ListAttentionNodesRequest(), &list);
+  Apply(s, list);
+}
+
+void Gateway::Apply(const grpc::Status& s, const v1::AttentionNodes& list) {
   std::map<std::string, std::shared_ptr<Node>> gone;  // their watches end outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -561,7 +623,7 @@ void Gateway::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
   health_.Serve(cq_.get());
   new Call(this);
   Refresh();
-  refresher_ = std::thread([this] { RefreshLoop(); });
+  board_poll_ = new BoardPoll(this);
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -585,7 +647,6 @@ void Gateway::Stop() {
     if (stopping_) return;
     stopping_ = true;
   }
-  if (refresher_.joinable()) refresher_.join();
   if (cq_ == nullptr) return;
   // On the loop thread: no new calls to the nodes, and those open end.
   struct CloseAll final : CqEvent {
@@ -603,6 +664,8 @@ void Gateway::Stop() {
   for (int i = 0; i < 500 && (live_muxes_ > 0 || live_calls_ > 0); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   {
     std::lock_guard<std::mutex> lock(mu_);
+    board_poll_->Stop();
+    board_poll_ = nullptr;
     for (auto& [id, n] : nodes_) {
       if (n->watch != nullptr) n->watch->Stop();
       n->watch = nullptr;

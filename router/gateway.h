@@ -67,6 +67,7 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   class Call;
   class Mux;
   class HealthWatch;
+  class BoardPoll;
   struct Node {
     ~Node();
     bool healthy() const;  // SERVING, as its health watch last said
@@ -89,8 +90,10 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   void Loop();
   // A live multiplexed call to the node, its connections taken in turn (loop thread).
   Mux* MuxFor(const std::shared_ptr<Node>& n);
-  void RefreshLoop();
+  // The board's list now (blocking), then Apply.
   void Refresh();
+  // The nodes as the board lists them (unless the list failed: the last ones are kept).
+  void Apply(const grpc::Status& s, const v1::AttentionNodes& list);
   grpc::Status Done(const grpc::Status& s);
   static std::unique_ptr<grpc::ClientContext> Upstream(const grpc::ServerContext& ctx);
 
@@ -100,7 +103,7 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   std::map<std::string, std::shared_ptr<Node>> nodes_;          // by node id
   std::map<std::string, std::shared_ptr<Node>> by_request_id_;  // live requests that named themselves
   bool stopping_ = false;
-  std::thread refresher_;
+  BoardPoll* board_poll_ = nullptr;  // until Stop
 
   AsyncHealth health_;
   // The loop thread's own.
@@ -110,7 +113,8 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   uint32_t next_mux_ = 0;
   uint64_t next_stream_ = 1;
   bool closing_ = false;                      // Stop: no new calls to the nodes
-  std::atomic<int> live_calls_{0}, live_muxes_{0}, live_watches_{0};  // Stop waits for them
+  // Stop waits for them; the health watches and the board poll count as watches.
+  std::atomic<int> live_calls_{0}, live_muxes_{0}, live_watches_{0};
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Counter* m_retries_;
