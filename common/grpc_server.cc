@@ -29,7 +29,7 @@ void GrpcServer::SetServing(bool serving) {
 }
 
 void GrpcServer::Shutdown(absl::Duration grace) {
-  SetServing(false);
+  if (auto* health = server->GetHealthCheckService()) health->Shutdown();  // NOT_SERVING for good
   server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server->Wait();
 }

@@ -19,7 +19,8 @@ struct GrpcServer {
 
   // Health of the whole server ("" service name) and of each named service.
   void SetServing(bool serving);
-  // Stops accepting, lets calls in flight finish until the deadline, then cancels them.
+  // Health NOT_SERVING for good; stops accepting, lets calls in flight finish until the deadline, then
+  // cancels them.
   void Shutdown(absl::Duration grace);
 };
 
@@ -27,7 +28,8 @@ struct GrpcServer {
 // the standard health service (NOT_SERVING until SetServing(true)) and server reflection.
 // `credentials`: TLS (common/tls.h); null means plaintext.
 // `configure`, if set, sees the builder before the server starts (e.g. to add a completion queue
-// for asynchronous methods).
+// for asynchronous methods, or to give the server its own health service with
+// grpc::HealthCheckServiceServerBuilderOption: SetServing and Shutdown then reach that one).
 absl::StatusOr<GrpcServer> StartGrpcServer(const std::string& address, const std::vector<grpc::Service*>& services,
                                            std::shared_ptr<grpc::ServerCredentials> credentials = nullptr,
                                            const std::function<void(grpc::ServerBuilder&)>& configure = nullptr);

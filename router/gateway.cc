@@ -32,36 +32,97 @@ bool NodeFailure(grpc::StatusCode c) {
 
 }  // namespace
 
-Gateway::Node::~Node() {
-  stop_watch = true;
-  {
-    std::lock_guard<std::mutex> lock(watch_mu);
-    if (watch_ctx != nullptr) watch_ctx->TryCancel();
+// Follows a node's grpc.health.v1 Watch, on the loop's completion queue (no thread of its own that would
+// poll the sockets), and again 100 ms after each call ends: a drain shows here at once, before the node's
+// next report. It deletes itself once stopped and its operations are through.
+class Gateway::HealthWatch {
+ public:
+  HealthWatch(Gateway* gw, const std::shared_ptr<grpc::Channel>& channel)
+      : gw_(gw), stub_(grpc::health::v1::Health::NewStub(channel)) {
+    ++gw_->live_watches_;
+    std::lock_guard<std::mutex> lock(mu_);
+    StartLocked();
   }
-  if (watcher.joinable()) watcher.join();
-}
+  ~HealthWatch() { --gw_->live_watches_; }
 
-void Gateway::Node::Watch() {
-  auto health = grpc::health::v1::Health::NewStub(channels[0]);
-  while (!stop_watch) {
-    grpc::ClientContext ctx;
-    {
-      std::lock_guard<std::mutex> lock(watch_mu);
-      if (stop_watch) break;
-      watch_ctx = &ctx;
+  // Any thread; the caller forgets this watch.
+  void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    if (waiting_) {
+      retry_.Cancel();  // Retry sees it
+    } else {
+      ctx_->TryCancel();  // the read fails, then Finish
     }
-    auto reader = health->Watch(&ctx, grpc::health::v1::HealthCheckRequest());
-    grpc::health::v1::HealthCheckResponse resp;
-    while (reader->Read(&resp)) healthy = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-    reader->Finish();
+  }
+
+  std::atomic<bool> healthy{false};
+
+ private:
+  void StartLocked() {
+    reader_.reset();  // it lives in the call that the context holds
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    reader_ = stub_->PrepareAsyncWatch(ctx_.get(), grpc::health::v1::HealthCheckRequest(), gw_->cq_.get());
+    reader_->StartCall(&started_);
+  }
+  void Started(bool ok) {
+    if (!ok) {
+      reader_->Finish(&status_, &finished_);
+      return;
+    }
+    reader_->Read(&resp_, &read_);
+  }
+  void ReadDone(bool ok) {
+    if (!ok) {
+      healthy = false;
+      reader_->Finish(&status_, &finished_);
+      return;
+    }
+    healthy = resp_.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    reader_->Read(&resp_, &read_);
+  }
+  void FinishDone(bool) {
     healthy = false;
     {
-      std::lock_guard<std::mutex> lock(watch_mu);
-      watch_ctx = nullptr;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stopped_) {
+        waiting_ = true;
+        retry_.Set(gw_->cq_.get(), std::chrono::system_clock::now() + std::chrono::milliseconds(100), &retried_);
+        return;
+      }
     }
-    if (!stop_watch) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    delete this;
   }
+  void Retry(bool) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_ = false;
+      if (!stopped_) {
+        StartLocked();
+        return;
+      }
+    }
+    delete this;
+  }
+
+  Gateway* const gw_;
+  const std::unique_ptr<grpc::health::v1::Health::Stub> stub_;
+  std::mutex mu_;  // with Stop, from another thread
+  bool stopped_ = false, waiting_ = false;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientAsyncReader<grpc::health::v1::HealthCheckResponse>> reader_;
+  grpc::health::v1::HealthCheckResponse resp_;
+  grpc::Status status_;
+  grpc::Alarm retry_;
+  CqOn<HealthWatch> started_{this, &HealthWatch::Started}, read_{this, &HealthWatch::ReadDone},
+      finished_{this, &HealthWatch::FinishDone}, retried_{this, &HealthWatch::Retry};
+};
+
+Gateway::Node::~Node() {
+  if (watch != nullptr) watch->Stop();
 }
+
+bool Gateway::Node::healthy() const { return watch != nullptr && watch->healthy; }
 
 Gateway::Gateway(GatewayOptions options, metrics::Registry& reg)
     : options_(std::move(options)),
@@ -70,33 +131,87 @@ Gateway::Gateway(GatewayOptions options, metrics::Registry& reg)
   m_retries_ = &metrics::Must(reg.AddCounter("k3serve_gateway_retries_total",
                                              "Streams sent to another attention node after one failed before the first token."))->WithLabels();
   m_inflight_ = &metrics::Must(reg.AddGauge("k3serve_gateway_inflight_streams", "Generate streams open through this gateway."))->WithLabels();
-  Refresh();
-  refresher_ = std::thread([this] { RefreshLoop(); });
+  health_.SetServing(v1::Inference::service_full_name(), false);
 }
 
-Gateway::~Gateway() {
-  Stop();
-  refresher_.join();
-}
+Gateway::~Gateway() { Stop(); }
 
 int Gateway::serving_nodes() {
   const absl::Time now = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);
   int n = 0;
-  for (auto& [id, node] : nodes_) n += node->healthy && !node->draining && now >= node->down_until;
+  for (auto& [id, node] : nodes_) n += node->healthy() && !node->draining && now >= node->down_until;
   return n;
 }
 
-void Gateway::RefreshLoop() {
-  while (true) {
+// The board's list every `refresh`, on the loop's completion queue (no thread of its own polling the
+// sockets while it waits for the router): an alarm, then the call. It deletes itself once stopped and its
+// operations are through.
+class Gateway::BoardPoll {
+ public:
+  explicit BoardPoll(Gateway* gw) : gw_(gw) {
+    ++gw_->live_watches_;
+    std::lock_guard<std::mutex> lock(mu_);
+    WaitLocked();
+  }
+  ~BoardPoll() { --gw_->live_watches_; }
+
+  // Any thread; the caller forgets this poll.
+  void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    if (waiting_) {
+      alarm_.Cancel();  // Waited sees it
+    } else {
+      ctx_->TryCancel();  // Answered sees it
+    }
+  }
+
+ private:
+  void WaitLocked() {
+    waiting_ = true;
+    alarm_.Set(gw_->cq_.get(), absl::ToChronoTime(absl::Now() + gw_->options_.refresh), &waited_);
+  }
+  void Waited(bool) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
+      waiting_ = false;
+      if (!stopped_) {
+        reader_.reset();  // it lives in the call that the context holds
+        ctx_ = std::make_unique<grpc::ClientContext>();
+        ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+        auth::AddNodeCredentials(ctx_.get());
+        list_.Clear();
+        reader_ = gw_->board_->PrepareAsyncListAttentionNodes(ctx_.get(), v1::ListAttentionNodesRequest(), gw_->cq_.get());
+        reader_->StartCall();
+        reader_->Finish(&list_, &status_, &answered_);
+        return;
+      }
     }
-    absl::SleepFor(options_.refresh);
-    Refresh();
+    delete this;
   }
-}
+  void Answered(bool) {
+    gw_->Apply(status_, list_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stopped_) {
+        WaitLocked();
+        return;
+      }
+    }
+    delete this;
+  }
+
+  Gateway* const gw_;
+  std::mutex mu_;  // with Stop, from another thread
+  bool stopped_ = false, waiting_ = false;
+  grpc::Alarm alarm_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::AttentionNodes>> reader_;
+  v1::AttentionNodes list_;
+  grpc::Status status_;
+  CqOn<BoardPoll> waited_{this, &BoardPoll::Waited}, answered_{this, &BoardPoll::Answered};
+};
 
 void Gateway::Refresh() {
   grpc::ClientContext ctx;
@@ -104,6 +219,10 @@ void Gateway::Refresh() {
   auth::AddNodeCredentials(&ctx);
   v1::AttentionNodes list;
   const grpc::Status s = board_->ListAttentionNodes(&ctx, v1::ListAttentionNodesRequest(), &list);
+  Apply(s, list);
+}
+
+void Gateway::Apply(const grpc::Status& s, const v1::AttentionNodes& list) {
   std::map<std::string, std::shared_ptr<Node>> gone;  // their watches end outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -124,8 +243,7 @@ void Gateway::Refresh() {
             n->channels.push_back(grpc::CreateCustomChannel(l.grpc_address(), *tls::ChannelCredentialsFromFlags(), args));
           }
           n->stub = v1::Inference::NewStub(n->channels[0]);
-          Node* raw = n.get();
-          n->watcher = std::thread([raw] { raw->Watch(); });
+          if (!stopping_) n->watch = new HealthWatch(this, n->channels[0]);
         }
         n->draining = l.draining();
         n->reported_requests = l.running_requests() + l.waiting_requests();
@@ -142,7 +260,7 @@ std::shared_ptr<Gateway::Node> Gateway::Pick(const std::set<std::string>& exclud
   std::shared_ptr<Node> best;
   int64_t best_work = 0;
   for (auto& [id, n] : nodes_) {
-    if (!n->healthy || n->draining || now < n->down_until || exclude.count(id)) continue;
+    if (!n->healthy() || n->draining || now < n->down_until || exclude.count(id)) continue;
     while (!n->recent.empty() && now - n->recent.front() > options_.pending_window) n->recent.pop_front();
     // The last report plus what this gateway sent since (which that report may not include).
     const int64_t work = n->reported_requests + static_cast<int64_t>(n->recent.size());
@@ -502,7 +620,10 @@ void Gateway::Mux::FinishDone(bool) {
 
 void Gateway::Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
   cq_ = std::move(cq);
+  health_.Serve(cq_.get());
   new Call(this);
+  Refresh();
+  board_poll_ = new BoardPoll(this);
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -541,6 +662,17 @@ void Gateway::Stop() {
   grpc::Alarm alarm;
   alarm.Set(cq_.get(), gpr_now(GPR_CLOCK_REALTIME), &close_all);
   for (int i = 0; i < 500 && (live_muxes_ > 0 || live_calls_ > 0); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    board_poll_->Stop();
+    board_poll_ = nullptr;
+    for (auto& [id, n] : nodes_) {
+      if (n->watch != nullptr) n->watch->Stop();
+      n->watch = nullptr;
+    }
+  }
+  for (int i = 0; i < 500 && live_watches_ > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  health_.Stop();
   cq_->Shutdown();
   loop_.join();
 }

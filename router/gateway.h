@@ -28,6 +28,7 @@
 #include "k3serve/v1/control.grpc.pb.h"
 #include "k3serve/v1/gateway.grpc.pb.h"
 #include "k3serve/v1/inference.grpc.pb.h"
+#include "router/gateway_health.h"
 
 namespace k3::router {
 
@@ -47,33 +48,35 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   Gateway(GatewayOptions options, metrics::Registry& registry);
   ~Gateway() override;
 
-  // Starts serving Generate on `cq` (the server's, from ServerBuilder::AddCompletionQueue).
+  // Starts serving Generate and Health on `cq` (the server's, from ServerBuilder::AddCompletionQueue) and
+  // following the router's board.
   void Serve(std::unique_ptr<grpc::ServerCompletionQueue> cq);
   grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req, v1::AbortResponse* resp) override;
   grpc::Status GetModelInfo(grpc::ServerContext* ctx, const v1::GetModelInfoRequest* req, v1::ModelInfo* resp) override;
 
   // Serving attention nodes known now (the gateway's health follows it).
   int serving_nodes();
-  // After the server's Shutdown: closes the calls to the nodes and stops the completion queue.
+  // The gateway's grpc.health.v1 service ("" and k3serve.v1.Inference), on the loop's completion queue:
+  // register it and its BuilderOption with the server.
+  AsyncHealth& health() { return health_; }
+  // After the server's Shutdown: closes the calls to the nodes, ends the health watches and stops the
+  // completion queue.
   void Stop();
 
  private:
   class Call;
   class Mux;
+  class HealthWatch;
+  class BoardPoll;
   struct Node {
     ~Node();
-    // Follows the node's grpc.health.v1 Watch: a drain shows here at once, before its next report.
-    void Watch();
+    bool healthy() const;  // SERVING, as its health watch last said
     std::string id;
     std::string address;
     std::vector<std::shared_ptr<grpc::Channel>> channels;  // one connection each
     std::unique_ptr<v1::Inference::Stub> stub;             // Abort, GetModelInfo
     bool draining = false;       // as reported
-    std::atomic<bool> healthy{false};  // SERVING, as the health watch last said
-    std::atomic<bool> stop_watch{false};
-    std::mutex watch_mu;
-    grpc::ClientContext* watch_ctx = nullptr;
-    std::thread watcher;
+    HealthWatch* watch = nullptr;  // until Stop; it stops with the Node
     absl::Time down_until;       // after a failure, until the next health poll says otherwise
     int64_t reported_requests = 0;
     int64_t reported_tokens = 0;
@@ -87,8 +90,10 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   void Loop();
   // A live multiplexed call to the node, its connections taken in turn (loop thread).
   Mux* MuxFor(const std::shared_ptr<Node>& n);
-  void RefreshLoop();
+  // The board's list now (blocking), then Apply.
   void Refresh();
+  // The nodes as the board lists them (unless the list failed: the last ones are kept).
+  void Apply(const grpc::Status& s, const v1::AttentionNodes& list);
   grpc::Status Done(const grpc::Status& s);
   static std::unique_ptr<grpc::ClientContext> Upstream(const grpc::ServerContext& ctx);
 
@@ -98,8 +103,9 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   std::map<std::string, std::shared_ptr<Node>> nodes_;          // by node id
   std::map<std::string, std::shared_ptr<Node>> by_request_id_;  // live requests that named themselves
   bool stopping_ = false;
-  std::thread refresher_;
+  BoardPoll* board_poll_ = nullptr;  // until Stop
 
+  AsyncHealth health_;
   // The loop thread's own.
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   std::thread loop_;
@@ -107,7 +113,8 @@ class Gateway final : public v1::Inference::WithAsyncMethod_Generate<v1::Inferen
   uint32_t next_mux_ = 0;
   uint64_t next_stream_ = 1;
   bool closing_ = false;                      // Stop: no new calls to the nodes
-  std::atomic<int> live_calls_{0}, live_muxes_{0};  // Stop waits for them
+  // Stop waits for them; the health watches and the board poll count as watches.
+  std::atomic<int> live_calls_{0}, live_muxes_{0}, live_watches_{0};
 
   metrics::Family<metrics::Counter>* m_requests_;
   metrics::Counter* m_retries_;

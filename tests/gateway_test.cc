@@ -4,8 +4,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -13,6 +17,7 @@
 
 #include "absl/time/clock.h"
 #include "common/tls.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/cluster_testing.h"
 #include "tests/load_loop.h"
 #include "tests/testing.h"
@@ -46,6 +51,149 @@ std::string ReadLog(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+namespace health = ::grpc::health::v1;
+using ServingStatus = health::HealthCheckResponse::ServingStatus;
+
+// grpc.health.v1 Check of `service`: the status, or the call's error.
+absl::StatusOr<ServingStatus> Check(const std::string& address, const std::string& service) {
+  auto stub = health::Health::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  health::HealthCheckRequest req;
+  req.set_service(service);
+  health::HealthCheckResponse resp;
+  const grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  return resp.status();
+}
+
+// A grpc.health.v1 Watch of `service`, read on a thread of its own: the statuses as they come and how the
+// call ended.
+class HealthWatch {
+ public:
+  HealthWatch(const std::string& address, const std::string& service)
+      : stub_(health::Health::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    health::HealthCheckRequest req;
+    req.set_service(service);
+    reader_ = stub_->Watch(&ctx_, req);
+    reader_thread_ = std::thread([this] {
+      health::HealthCheckResponse r;
+      while (reader_->Read(&r)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        seen_.push_back(r.status());
+        cv_.notify_all();
+      }
+      const grpc::Status s = reader_->Finish();
+      std::lock_guard<std::mutex> lock(mu_);
+      end_ = s;
+      cv_.notify_all();
+    });
+  }
+  ~HealthWatch() {
+    ctx_.TryCancel();
+    reader_thread_.join();
+  }
+
+  // The statuses so far, once there are `n` of them or the call has ended (or after 20 s).
+  std::vector<ServingStatus> Seen(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return seen_.size() >= n || end_.has_value(); });
+    return seen_;
+  }
+  // How the call ended, once it has (or after 20 s).
+  std::optional<grpc::Status> End() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return end_.has_value(); });
+    return end_;
+  }
+
+ private:
+  std::unique_ptr<health::Health::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<health::HealthCheckResponse>> reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<ServingStatus> seen_;
+  std::optional<grpc::Status> end_;
+  std::thread reader_thread_;
+};
+
+// The length-delimited fields numbered `field` of a serialized message.
+std::vector<std::string> Fields(const std::string& msg, int field) {
+  using google::protobuf::internal::WireFormatLite;
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(msg.data()), static_cast<int>(msg.size()));
+  std::vector<std::string> out;
+  while (const uint32_t tag = in.ReadTag()) {
+    if (WireFormatLite::GetTagFieldNumber(tag) == field &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!WireFormatLite::ReadBytes(&in, &out.emplace_back())) break;
+    } else if (!WireFormatLite::SkipField(&in, tag)) {
+      break;
+    }
+  }
+  return out;
+}
+
+// The services a server lists through grpc.reflection.v1alpha (by hand: that proto's generated code is not
+// installed). ServerReflectionRequest{list_services = "*"}; the answer's list_services_response (6) holds
+// services (1) with their names (1).
+absl::StatusOr<std::vector<std::string>> ReflectedServices(const std::string& address) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto next = [&cq] {
+    void* tag;
+    bool ok = false;
+    return cq.Next(&tag, &ok) && ok;
+  };
+  const std::string req_bytes("\x3a\x01*", 3);
+  grpc::Slice req_slice(req_bytes);
+  grpc::ByteBuffer req(&req_slice, 1), resp;
+  grpc::Status status;
+  // One operation at a time: each Next is that operation's completion.
+  call->StartCall(nullptr);
+  bool ok = next();
+  if (ok) {
+    call->Write(req, nullptr);
+    ok = next();
+  }
+  if (ok) {
+    call->WritesDone(nullptr);
+    ok = next();
+  }
+  if (ok) {
+    call->Read(&resp, nullptr);
+    ok = next();
+  }
+  call->Finish(&status, nullptr);
+  next();
+  if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  if (!ok) return absl::UnknownError("no reflection response");
+  std::vector<grpc::Slice> slices;
+  if (!resp.Dump(&slices).ok()) return absl::UnknownError("unreadable reflection response");
+  std::string bytes;
+  for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  std::vector<std::string> names;
+  for (const std::string& list : Fields(bytes, 6))
+    for (const std::string& service : Fields(list, 1))
+      for (const std::string& name : Fields(service, 1)) names.push_back(name);
+  return names;
+}
+
+// The names of a process's threads.
+std::vector<std::string> ThreadNames(pid_t pid) {
+  std::vector<std::string> names;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    std::string name = ReadLog(t.path().string() + "/comm");
+    while (!name.empty() && name.back() == '\n') name.pop_back();
+    names.push_back(name);
+  }
+  return names;
 }
 
 std::vector<testing::Prompt> GoldenPrompts() {
@@ -209,6 +357,66 @@ TEST(Gateway, ForwardsApiKeysDeadlinesAndCancellation) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_TRUE(freed()) << "the node still holds the request after the client cancelled";
   EXPECT_GE(Metric(m, "k3serve_requests_total", "code=\"CANCELLED\""), 1);
+}
+
+// The gateway's own health service (asynchronous, on its completion queue; gRPC's default one and its
+// callback threads are gone): Check and Watch of "" and of k3serve.v1.Inference say SERVING while its node
+// serves, NOT_FOUND / SERVICE_UNKNOWN for other names; reflection lists it. The node drains: NOT_SERVING.
+// The gateway's SIGTERM ends the watches at once.
+TEST(Gateway, HealthFollowsTheNodesAndEndsWatchesOnShutdown) {
+  auto cluster = LocalCluster::Start(Options(1, 1));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::string gw = (*cluster)->gateway_address();
+  EXPECT_EQ(Check(gw, "").value_or(health::HealthCheckResponse::UNKNOWN), health::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Check(gw, "k3serve.v1.Inference").value_or(health::HealthCheckResponse::UNKNOWN),
+            health::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Check(gw, "no.such.Service").status().code(), absl::StatusCode::kNotFound);
+  HealthWatch all(gw, ""), inference(gw, "k3serve.v1.Inference"), unknown(gw, "no.such.Service");
+  EXPECT_EQ(all.Seen(1), std::vector<ServingStatus>{health::HealthCheckResponse::SERVING});
+  EXPECT_EQ(inference.Seen(1), std::vector<ServingStatus>{health::HealthCheckResponse::SERVING});
+  EXPECT_EQ(unknown.Seen(1), std::vector<ServingStatus>{health::HealthCheckResponse::SERVICE_UNKNOWN});
+
+  auto services = ReflectedServices(gw);
+  ASSERT_TRUE(services.ok()) << services.status();
+  for (const char* want : {"grpc.health.v1.Health", "k3serve.v1.Inference"})
+    EXPECT_NE(std::find(services->begin(), services->end(), want), services->end()) << want << " not reflected";
+  for (const std::string& name : ThreadNames((*cluster)->gateway().pid()))
+    EXPECT_NE(name, "nexting_thread") << "gRPC's callback threads run in the gateway";
+
+  // The only attention node drains: the gateway has none serving.
+  auto posted = HttpPost("127.0.0.1", (*cluster)->attention_metrics_ports()[0], "/admin/drain");
+  ASSERT_TRUE(posted.ok()) << posted.status();
+  const std::vector<ServingStatus> serving_then_not = {health::HealthCheckResponse::SERVING,
+                                                       health::HealthCheckResponse::NOT_SERVING};
+  EXPECT_EQ(all.Seen(2), serving_then_not);
+  EXPECT_EQ(inference.Seen(2), serving_then_not);
+  EXPECT_EQ(Check(gw, "").value_or(health::HealthCheckResponse::UNKNOWN), health::HealthCheckResponse::NOT_SERVING);
+  ASSERT_TRUE((*cluster)->attention(0).Wait(absl::Seconds(10)).has_value());
+
+  (*cluster)->gateway().Signal(SIGTERM);
+  for (HealthWatch* w : {&all, &inference, &unknown}) {
+    const std::optional<grpc::Status> end = w->End();
+    ASSERT_TRUE(end.has_value()) << "a watch outlived the gateway's shutdown";
+    EXPECT_EQ(end->error_code(), grpc::StatusCode::UNAVAILABLE) << end->error_message();
+    EXPECT_EQ(end->error_message(), "the server is shutting down");
+  }
+  EXPECT_EQ(unknown.Seen(2), std::vector<ServingStatus>{health::HealthCheckResponse::SERVICE_UNKNOWN});
+  EXPECT_EQ((*cluster)->gateway().Wait(absl::Seconds(10)), std::optional<int>(0));
+}
+
+// SIGTERM of a serving gateway: its watches hear NOT_SERVING, then end.
+TEST(Gateway, SigtermSaysNotServingToWatches) {
+  auto cluster = LocalCluster::Start(Options(1, 1));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  HealthWatch all((*cluster)->gateway_address(), "");
+  EXPECT_EQ(all.Seen(1), std::vector<ServingStatus>{health::HealthCheckResponse::SERVING});
+  (*cluster)->gateway().Signal(SIGTERM);
+  EXPECT_EQ(all.Seen(2), (std::vector<ServingStatus>{health::HealthCheckResponse::SERVING,
+                                                     health::HealthCheckResponse::NOT_SERVING}));
+  const std::optional<grpc::Status> end = all.End();
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(end->error_code(), grpc::StatusCode::UNAVAILABLE) << end->error_message();
+  EXPECT_EQ((*cluster)->gateway().Wait(absl::Seconds(10)), std::optional<int>(0));
 }
 
 // A drain that times out under a stream through the gateway: the client gets UNAVAILABLE naming
