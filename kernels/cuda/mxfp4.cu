@@ -130,14 +130,12 @@ namespace {
 // At most this many passes over P pairs (PassList's, at least 8 tokens a pass): each expert that received a pair
 // has one pass with fewer tokens at most.
 int64_t MaxPasses(int64_t P, int64_t E) { return std::min(P, E) + (P + 7) / 8; }
-cudaError_t AllowRingSmem();
 }  // namespace
 
 Mxfp4Workspace::Mxfp4Workspace() : b_(std::make_unique<Buffers>()) {}
 Mxfp4Workspace::~Mxfp4Workspace() { b_->Free(); }
 
 cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t E, bool dequant_copy) {
-  if (const cudaError_t e = AllowRingSmem(); e != cudaSuccess) return e;
   Buffers& b = *b_;
   const bool copy_missing = dequant_copy && b.wbf == nullptr && max_pairs >= kMxfp4DequantMinPairsPerExpert * E;
   if (max_pairs <= b.max_pairs && D <= b.D && I <= b.I && E <= b.E && !copy_missing) return cudaSuccess;
@@ -231,9 +229,7 @@ __device__ __forceinline__ uint32_t Mul(uint32_t v, uint32_t s) {
 // A lane's 16 weights of a (r16, kb) block as its A fragments of the two k16 steps: each register one funnel
 // shift and one LOP3 (a few two), one HMUL2 by the row's 2^(u − 127) (exact).
 __device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
-  // bf16x2 2^(u − 127) of the low and high byte u of s: u·(2^7 + 2^23), the products and s >> 8 (a high half) on the
-  // multiply pipe, which the placement's shifts and LOP3s leave idle.
-  const uint32_t lo = (s & 0xFFu) * 0x00800080u, hi = __umulhi(s, 1u << 24) * 0x00800080u;
+  const uint32_t lo = __byte_perm(s, 0, 0x0404) >> 1, hi = __byte_perm(s, 0, 0x1414) >> 1;  // bf16x2 2^(u−127)
   a0[0] = Mul(Place<0>(q.x, q.y), lo), a0[1] = Mul(Place<1>(q.x, q.y), hi);
   a0[2] = Mul(Place<2>(q.x, q.y), lo), a0[3] = Mul(Place<3>(q.x, q.y), hi);
   a1[0] = Mul(Place<4>(q.x, q.y), lo), a1[1] = Mul(Place<5>(q.x, q.y), hi);
@@ -266,8 +262,7 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
   if (rows_in) {
     qsrc[0] = a.wa[e] + r16 * KB * 256 + lane * 16;
     if (kGlu) qsrc[kMats - 1] = a.wb[e] + r16 * KB * 256 + lane * 16;
-    const int ms = lane / 2 < kMats ? lane / 2 : 0;
-    ssrc = (ms == 0 ? a.sa[e] : a.sb[e]) + r16 * KB * 16 + (lane % 2) * 16;
+    ssrc = (kGlu && lane / 2 == 1 ? a.sb[e] : a.sa[e]) + r16 * KB * 16 + (lane % 2) * 16;  // lanes < 2·kMats
     const uint8_t* ra = a.sa[e] + a.rows * KB + r16 * 16 + g;  // R of rows g, g + 8
     fa0 = Pow2(ra[0]), fa1 = Pow2(ra[8]);
     if (kGlu) {
@@ -451,30 +446,16 @@ __global__ void PassListKernel(int E, const int32_t* counts, int32_t* passes) {
 
 template <bool kGlu, bool kSplit>
 cudaError_t Launch(const KernelArgs& k, int64_t num_pairs, int64_t num_experts, cudaStream_t stream) {
+  // The ring is beyond the default 48 KB of shared memory (set once, as experts.cu does for its kernels).
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      Mxfp4Kernel<kGlu, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize, Ring<kGlu, kSplit>::kBytes);
+  if (attr != cudaSuccess) return attr;
   const dim3 grid(static_cast<unsigned>(MaxPasses(num_pairs, num_experts)),
                   static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps));
   Mxfp4Kernel<kGlu, kSplit><<<grid, kWarps * 32, Ring<kGlu, kSplit>::kBytes, stream>>>(k);
   return cudaGetLastError();
 }
 
-// The kernels' shared memory beyond the default 48 KB (once; outside any stream capture, from Reserve).
-cudaError_t AllowRingSmem() {
-  static const cudaError_t e = [] {
-    cudaError_t r;
-    if ((r = cudaFuncSetAttribute(Mxfp4Kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  Ring<true, true>::kBytes)) != cudaSuccess)
-      return r;
-    if ((r = cudaFuncSetAttribute(Mxfp4Kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  Ring<true, false>::kBytes)) != cudaSuccess)
-      return r;
-    if ((r = cudaFuncSetAttribute(Mxfp4Kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  Ring<false, true>::kBytes)) != cudaSuccess)
-      return r;
-    return cudaFuncSetAttribute(Mxfp4Kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                Ring<false, false>::kBytes);
-  }();
-  return e;
-}
 
 // The weights of the experts that received a pair, from fragment order to bf16 [rows, K] row-major. A warp takes
 // 16 rows × 8 k32 blocks: it loads the 8 blocks' fragments at once (coalesced 256 bytes each), dequantizes each

@@ -18,14 +18,13 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global → shared, bypassing L1; src_bytes = 0 writes zeros (src must still be a valid address).
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes = 16) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(src_bytes)
-               : "memory");
-}
-// CpAsync16 to a shared-memory address (SmemAddr) the caller computed once.
+// 16 bytes global → shared, bypassing L1; src_bytes = 0 writes zeros (src must still be a valid address). At: to a
+// shared-memory address (SmemAddr) the caller computed once.
 __device__ __forceinline__ void CpAsync16At(uint32_t smem, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, int src_bytes = 16) {
+  CpAsync16At(SmemAddr(smem), gmem, src_bytes);
 }
 // An L2 policy for data read once (streamed weights): evict its lines first, so that what is read again stays.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
