@@ -10,8 +10,9 @@
 
 namespace k3 {
 
-// SIGTERM/SIGINT handlers, and malloc settings that keep multi-MiB data-plane messages out of
-// mmap/munmap (a fresh mapping per message costs page faults on every send and receive).
+// SIGTERM/SIGINT handlers, malloc settings that keep multi-MiB data-plane messages out of
+// mmap/munmap (a fresh mapping per message costs page faults on every send and receive), and abseil's
+// mutex deadlock detection off.
 void InitServiceProcess();
 
 // Serves registry on host:port at /metrics; port 0 picks one, a negative port means no server.

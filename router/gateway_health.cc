@@ -3,6 +3,8 @@
 #include <grpcpp/ext/health_check_service_server_builder_option.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "absl/strings/str_cat.h"
+
 namespace k3::router {
 namespace {
 
@@ -40,7 +42,9 @@ class AsyncHealth::CheckCall {
       s = h_->StatusLocked(req_.service());
     }
     if (s == health::HealthCheckResponse::SERVICE_UNKNOWN) {
-      responder_.FinishWithError(grpc::Status(grpc::StatusCode::NOT_FOUND, "service name unknown"), &finished_);
+      responder_.FinishWithError(
+          grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("unknown service \"", req_.service(), "\"")),
+          &finished_);
       return;
     }
     resp_.set_status(s);

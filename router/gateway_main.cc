@@ -4,7 +4,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/synchronization/mutex.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/service.h"
@@ -26,9 +25,6 @@ int main(int argc, char** argv) {
   k3::NormalizeFlagNames(argc, argv);
   absl::ParseCommandLine(argc, argv);
   k3::InitServiceProcess();
-  // gRPC's locks are absl::Mutex, and this abseil is built with deadlock detection on: a graph update and a
-  // stack trace on each lock, ≈ 3% of the gateway's CPU.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (absl::GetFlag(FLAGS_max_attempts) < 1 || absl::GetFlag(FLAGS_refresh_ms) < 1 || absl::GetFlag(FLAGS_connections) < 1) {
     std::fprintf(stderr, "k3serve-gateway: --max-attempts, --refresh-ms and --connections must be >= 1\n");
     return 2;

@@ -370,7 +370,10 @@ TEST(Gateway, HealthFollowsTheNodesAndEndsWatchesOnShutdown) {
   EXPECT_EQ(Check(gw, "").value_or(health::HealthCheckResponse::UNKNOWN), health::HealthCheckResponse::SERVING);
   EXPECT_EQ(Check(gw, "k3serve.v1.Inference").value_or(health::HealthCheckResponse::UNKNOWN),
             health::HealthCheckResponse::SERVING);
-  EXPECT_EQ(Check(gw, "no.such.Service").status().code(), absl::StatusCode::kNotFound);
+  const auto checked_unknown = Check(gw, "no.such.Service");
+  EXPECT_EQ(checked_unknown.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(checked_unknown.status().message().find("no.such.Service"), std::string::npos)
+      << checked_unknown.status();
   HealthWatch all(gw, ""), inference(gw, "k3serve.v1.Inference"), unknown(gw, "no.such.Service");
   EXPECT_EQ(all.Seen(1), std::vector<ServingStatus>{health::HealthCheckResponse::SERVING});
   EXPECT_EQ(inference.Seen(1), std::vector<ServingStatus>{health::HealthCheckResponse::SERVING});
