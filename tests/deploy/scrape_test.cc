@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -143,12 +144,19 @@ class ScrapeTest : public ::testing::Test {
     p.ignore_eos = true;
     std::vector<std::thread> streams;
     std::atomic<int> failures{0};
+    std::mutex first_mu;
+    absl::Status first_failure;  // the first one, to say why
     const absl::Time until = absl::Now() + absl::Seconds(12);
     for (int s = 0; s < 4; ++s) {
       streams.emplace_back([&, s] {
         InferenceClient c(cluster_->gateway_address());
         while (absl::Now() < until) {
-          if (!c.Generate({1, 2, 3, 4 + s}, p, absl::Seconds(30)).ok()) ++failures;
+          auto r = c.Generate({1, 2, 3, 4 + s}, p, absl::Seconds(30));
+          if (r.ok()) continue;
+          if (failures++ == 0) {
+            std::lock_guard<std::mutex> lock(first_mu);
+            first_failure = r.status();
+          }
         }
       });
     }
@@ -159,7 +167,7 @@ class ScrapeTest : public ::testing::Test {
     endless.max_new_tokens = 4000;
     deadline_result_ = new absl::Status(client.Generate({5, 6, 7}, endless, absl::Milliseconds(400)).status());
     for (auto& t : streams) t.join();
-    EXPECT_EQ(failures.load(), 0);
+    EXPECT_EQ(failures.load(), 0) << "first: " << first_failure;
     // The rules' rates and the dashboards' [30s] ranges need a few scrapes after the traffic.
     absl::SleepFor(absl::Seconds(3));
   }
