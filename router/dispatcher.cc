@@ -10,6 +10,9 @@
 namespace k3::router {
 namespace {
 
+// Timed-out parts remembered for their late replies.
+constexpr size_t kLateParts = 256;
+
 int64_t MonotonicNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -26,6 +29,7 @@ Dispatcher::~Dispatcher() {
     peers.swap(peers_);
     pending_.clear();
     parts_.clear();
+    late_.clear();
   }
   // Connections close outside the lock: their destructors wait for callbacks that take it.
   for (auto& [id, p] : peers) p->conn.reset();
@@ -119,9 +123,9 @@ bool Dispatcher::WaitDrained(uint64_t version, absl::Duration timeout) {
 bool Dispatcher::ready() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!placement_ || !placement_->complete()) return false;
-  const absl::Time now = absl::Now();
+  // A suspect node still counts: it is connected and may only have been slow.
   for (const auto& [id, p] : peers_)
-    if (!p->usable(now)) return false;
+    if (!p->connected()) return false;
   return true;
 }
 
@@ -145,12 +149,16 @@ absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int a
     return absl::UnavailableError(absl::StrCat("placement v", pt.version, " has no experts for layer ", r.layer));
   const auto& layer = pt.replicas[r.layer];
 
-  // Replica choice, row by row: the live replica with the least outstanding work.
+  // Replica choice, row by row: the connected replica with the least outstanding work, a suspect
+  // one only where no other is left, and never on a retry (it goes to a replica or fails).
   std::vector<std::shared_ptr<Peer>> node_peer(pt.nodes.size());
+  std::vector<bool> suspect(pt.nodes.size(), false);
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < pt.nodes.size(); ++i) {
     auto it = peers_.find(pt.nodes[i].node_id);
-    if (it != peers_.end() && it->second->usable(now)) node_peer[i] = it->second;
+    if (it == peers_.end() || !it->second->connected()) continue;
+    suspect[i] = it->second->suspect(now);
+    if (!suspect[i] || attempt == 0) node_peer[i] = it->second;
   }
   // chosen[n * k + j] = node index of pair j of row n (-1: not routed).
   std::vector<int32_t> chosen(r.rows * r.top_k, -1);
@@ -162,8 +170,12 @@ absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int a
     if (e < 0) continue;
     if (e >= static_cast<int32_t>(layer.size())) return absl::InvalidArgumentError(absl::StrCat("expert id ", e, " out of range"));
     int32_t best = -1;
-    for (int32_t node : layer[e])
-      if (node_peer[node] && (best < 0 || load[node] < load[best])) best = node;
+    for (int32_t node : layer[e]) {
+      if (!node_peer[node]) continue;
+      if (best < 0 || (suspect[best] && !suspect[node]) ||
+          (suspect[best] == suspect[node] && load[node] < load[best]))
+        best = node;
+    }
     if (best < 0)
       return absl::UnavailableError(absl::StrCat("expert ", e, " of layer ", r.layer, " has no live replica (placement v",
                                                  pt.version, ")"));
@@ -263,7 +275,9 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
         if (!part.done) {
           part.peer->suspect_until = until;
           hung.push_back(part.peer->node_id);
+          late_[part.wire_id] = p.start;
         }
+      while (late_.size() > kLateParts) late_.erase(late_.begin());  // ids only grow: the oldest go
       p.status = absl::UnavailableError(absl::StrCat("expert node ", absl::StrJoin(hung, ", "), " did not answer within ",
                                                      absl::FormatDuration(timeout)));
       break;
@@ -353,7 +367,13 @@ void Dispatcher::FinishPart(uint64_t wire_id, const absl::Status& status, const 
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = parts_.find(wire_id);
-    if (it == parts_.end()) return;  // late reply for a request that already ended
+    if (it == parts_.end()) {  // a reply for a request that already ended
+      auto late = late_.find(wire_id);
+      if (late == late_.end()) return;
+      if (status.ok()) slowest_ = std::max(slowest_, absl::Now() - late->second);
+      late_.erase(late);
+      return;
+    }
     Pending& p = pending_.at(it->second.first);
     Part& part = p.parts[it->second.second];
     if (part.done) return;

@@ -70,9 +70,13 @@ class Dispatcher : public ExpertExecutor {
     std::string address;
     std::unique_ptr<dataplane::Connection> conn;
     bool failed = false;
-    absl::Time suspect_until = absl::InfinitePast();  // did not answer in time: avoided until then
+    // Did not answer in time: until then its replicas take its rows, and a retry skips it. It is
+    // still connected and may only have been slow, so rows without another replica still go to it
+    // (failing them at once would fail every request for the whole window).
+    absl::Time suspect_until = absl::InfinitePast();
     int64_t outstanding_rows = 0;  // balances replica choice
-    bool usable(absl::Time now) const { return !failed && conn && suspect_until <= now; }
+    bool connected() const { return !failed && conn; }
+    bool suspect(absl::Time now) const { return suspect_until > now; }
   };
   struct Part {
     std::shared_ptr<Peer> peer;
@@ -122,6 +126,9 @@ class Dispatcher : public ExpertExecutor {
   std::map<uint64_t, int64_t> in_flight_;                 // placement version -> dispatches on it
   uint64_t next_ticket_ = 1;
   absl::Duration slowest_ = absl::ZeroDuration();  // recent slowest part round trip (decays)
+  // Parts that timed out, by wire request id: when they were sent. A late reply still measures a
+  // round trip (the node was slow, not hung), so the adaptive timeout grows past it.
+  std::map<uint64_t, absl::Time> late_;
   std::atomic<uint64_t> next_wire_id_{1};  // taken outside mu_, while messages are encoded
 };
 

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
@@ -147,7 +148,80 @@ TEST(Dispatcher, HungNodeWithoutReplicaFailsUnavailableNamingIt) {
   const absl::Status s = d.Wait(*ticket, out.data());
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_NE(s.message().find("expert node hung did not answer within 200ms"), std::string::npos) << s;
-  EXPECT_FALSE(d.ready());  // the node is suspect until a new placement or its time runs out
+  // Suspect now, but connected: it may only have been slow. Without a replica its rows still go to
+  // it (failing them at once would fail every request while it is suspect), and they fail only if
+  // it leaves them unanswered again.
+  EXPECT_TRUE(d.ready());
+  const int before = f.hung_messages;
+  const absl::Time t1 = absl::Now();
+  ticket = d.Submit({f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()});
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  const absl::Status again = d.Wait(*ticket, out.data());
+  EXPECT_TRUE(absl::IsUnavailable(again)) << again;
+  EXPECT_NE(again.message().find("did not answer within"), std::string::npos) << again;
+  EXPECT_GE(absl::Now() - t1, opt.timeout);
+  EXPECT_EQ(f.hung_messages, before + 1) << "the suspect node got no rows (or a retry went back to it)";
+}
+
+// A node that answers every part late (300 ms, zeros) under the adaptive timeout (100 ms margin):
+// the first part times out, its late reply still counts as a round trip, and the next part to the
+// (suspect, replica-less) node gets a timeout above it and succeeds.
+TEST(Dispatcher, ALateReplyRaisesTheAdaptiveTimeout) {
+  Fixture f;
+  const absl::Duration delay = absl::Milliseconds(300);
+  std::mutex mu;
+  std::vector<std::thread> repliers;
+  std::unique_ptr<dataplane::Server> slow;
+  dataplane::ServerCallbacks cb;
+  cb.on_message = [&](dataplane::ConnectionId from, dataplane::Buffer msg) {
+    auto type = wire::PeekType(msg.span());
+    if (!type.ok() || *type != wire::MessageType::kExpertRequest) return;  // the Hello
+    auto req = wire::DecodeExpertRequest(msg.span(), {static_cast<uint32_t>(f.config.num_experts)});
+    ASSERT_TRUE(req.ok()) << req.status();
+    std::lock_guard<std::mutex> lock(mu);
+    repliers.emplace_back([&, from, id = req->request_id, n = req->n_rows, width = req->width] {
+      absl::SleepFor(delay);
+      std::vector<std::byte> sums(static_cast<size_t>(n) * width * sizeof(float), std::byte{0});
+      wire::ExpertReply reply;
+      reply.request_id = id;
+      reply.width = width;
+      reply.n_rows = n;
+      reply.sums = sums;
+      slow->Send(from, *wire::Encode<dataplane::Buffer>(reply), [](absl::Status) {});
+    });
+  };
+  slow = *f.transport->Listen("127.0.0.1:0", cb);
+  auto t = std::make_shared<PlacementTable>(*f.Placement(1, {"hung"}));
+  t->nodes[0] = {"slow", slow->address(), ""};
+
+  DispatcherOptions opt;
+  opt.timeout_margin = absl::Milliseconds(100);
+  {
+    Dispatcher d(f.config, *f.transport, opt);
+    ASSERT_TRUE(d.SetPlacement(t).ok());
+    const int64_t rows = 3, k = f.config.top_k, X = f.config.expert_width();
+    const std::vector<float> x = testing::Random(rows * X, 9);
+    std::vector<int32_t> idx(rows * k);
+    for (int64_t i = 0; i < rows * k; ++i) idx[i] = static_cast<int32_t>(i % f.config.num_experts);
+    std::vector<float> w(rows * k, 0.5f), out(rows * X);
+    const ExpertRequest req{f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()};
+    auto ticket = d.Submit(req);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    const absl::Status first = d.Wait(*ticket, out.data());
+    EXPECT_TRUE(absl::IsUnavailable(first)) << first;
+    EXPECT_NE(first.message().find("expert node slow did not answer within 100ms"), std::string::npos) << first;
+    absl::SleepFor(delay + absl::Milliseconds(200));  // its late reply comes in
+    const absl::Time t1 = absl::Now();
+    ticket = d.Submit(req);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    const absl::Status second = d.Wait(*ticket, out.data());
+    EXPECT_TRUE(second.ok()) << second;
+    EXPECT_GE(absl::Now() - t1, delay);
+    std::printf("late reply after %s: the next part waited %s and succeeded\n", absl::FormatDuration(delay).c_str(),
+                absl::FormatDuration(absl::Now() - t1).c_str());
+  }
+  for (auto& r : repliers) r.join();
+  slow.reset();
 }
 
 }  // namespace

@@ -405,10 +405,10 @@ class Gateway::Call {
       out_.has_pending = true;
       Flush();
     }
-    if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()));
+    if (c.end()) Ended(grpc::Status(static_cast<grpc::StatusCode>(c.code()), c.message()), /*broken=*/false);
   }
   // The call carrying the stream failed.
-  void OnBroken(const grpc::Status& s) { Ended(s); }
+  void OnBroken(const grpc::Status& s) { Ended(s, /*broken=*/true); }
 
  private:
   void Arrived(bool ok) {
@@ -504,9 +504,9 @@ class Gateway::Call {
     }
   }
 
-  // The node ended the stream, or the call carrying it failed: the client gets the status, or,
-  // while no token has reached it, another node gets the request.
-  void Ended(const grpc::Status& s) {
+  // The node ended the stream, or the call carrying it failed (broken): the client gets the status,
+  // or, while no token has reached it, another node gets the request.
+  void Ended(const grpc::Status& s, bool broken) {
     std::shared_ptr<Node> node = std::move(node_);
     mux_ = nullptr;
     stream_ = 0;
@@ -524,7 +524,10 @@ class Gateway::Call {
     // Nothing reached the client yet: the request may go to another node.
     std::fprintf(stderr, "k3serve-gateway: %s (%s) failed before the first token: %s; trying another node\n",
                  node->id.c_str(), node->address.c_str(), s.error_message().c_str());
-    {
+    // Only a node whose call broke is set aside. One that answered UNAVAILABLE itself (an expert
+    // node it dispatched to did not answer) still serves the others, and its health says when it
+    // cannot: setting it aside would fail every stream for the while when it is the only one.
+    if (broken) {
       std::lock_guard<std::mutex> lock(gw_->mu_);
       node->down_until = absl::Now() + absl::Seconds(1);
     }

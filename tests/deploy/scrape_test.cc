@@ -113,9 +113,10 @@ class ScrapeTest : public ::testing::Test {
     o.orchestrated = true;  // the orchestrator's local backend runs the nodes; a gateway in front
     o.router_args = {"--expert-metrics-layers=1"};  // the opt-in per-expert series, for the heatmap
     o.orchestrator_args = {"--experts-min=2"};  // the light traffic would shrink the pool to one node
-    // This traffic is for the series, not for hang detection (tests/security_test.cc has that): on the 2-core CI
-    // machine, right after the container image build, the adaptive 0.5 s dispatch deadline has judged a live
-    // expert node hung (twice in four runs), and the streams then failed for the rest of the window.
+    // This traffic is for the series, not for hang detection (tests/security_test.cc and tests/stall_test.cc have
+    // that): on the 2-core CI machine, right after the container image build, the adaptive 0.5 s dispatch deadline
+    // has judged a live expert node hung (twice in four runs), which fails the requests of that dispatch, and this
+    // test counts every failure.
     o.attention_args = {"--dispatch-timeout-ms=5000"};
     auto cluster = LocalCluster::Start(o);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
