@@ -183,7 +183,8 @@ absl::Status GpuExperts::Run(const ExpertRequest& r, float* out) {
   K3_CUDA_OK(cudaMemcpyAsync(m.idx, r.idx, nk * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
   K3_CUDA_OK(cudaMemcpyAsync(m.w, r.w, nk * sizeof(float), cudaMemcpyHostToDevice, m.stream));
   if (m.mxfp4) {
-    K3_CUDA_OK(m.mx_ws.Reserve(nk, r.width, c.moe_intermediate_size, c.num_experts));
+    // Rows come as plain bf16: from kMxfp4WgmmaMinPairsPerExpert pairs per expert, the grouped wgmma experts.
+    K3_CUDA_OK(m.mx_ws.Reserve(nk, r.width, c.moe_intermediate_size, c.num_experts, false, true));
     cuda::Mxfp4ExpertsArgs a;
     a.N = r.rows, a.D = r.width, a.I = c.moe_intermediate_size, a.top_k = r.top_k, a.num_experts = c.num_experts;
     a.x = m.x, a.idx = m.idx, a.w = m.w;

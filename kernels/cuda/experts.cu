@@ -224,6 +224,11 @@ struct TileArgs {
   GluAct act;
   float beta1, beta2;
   bool packed;                  // gate/up: wa holds MoePackGateUp's tiles (kPackRows rows a tile)
+  // MXFP4 weights (the wgmma kernels only): codes and scales of W1 (or W2) and W3 instead of wa, wb.
+  const uint8_t* const* qa;
+  const uint8_t* const* sa;
+  const uint8_t* const* qb;
+  const uint8_t* const* sb;
 };
 
 // Element (row, 16-byte chunk c) of a [rows][kBK] stage tile, chunks XOR-swizzled by row: ldmatrix's
@@ -569,6 +574,7 @@ TileArgs GateUpArgs(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b) {
   t.wa = a.w1, t.wb = a.w3, t.src = a.x, t.slot_pair = b.slot_pair, t.dst = b.h;
   t.src_lo = a.x_lo, t.dst_lo = a.x_lo != 0 ? b.max_pairs * b.I : 0;
   t.packed = a.packed;
+  t.qa = a.q1, t.sa = a.s1, t.qb = a.q3, t.sb = a.s3;
   return t;
 }
 void ToDown(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b, TileArgs* t) {
@@ -576,6 +582,7 @@ void ToDown(const MoeExpertsArgs& a, const MoeWorkspace::Buffers& b, TileArgs* t
   t->wa = a.w2, t->wb = nullptr, t->src = b.h, t->slot_pair = nullptr, t->dst = b.y;
   t->src_lo = t->dst_lo, t->dst_lo = a.x_lo != 0 ? b.max_pairs * b.D : 0;
   t->packed = false;
+  t->qa = a.q2, t->sa = a.s2, t->qb = t->sb = nullptr;
 }
 
 }  // namespace
@@ -593,10 +600,14 @@ cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   if (!WgmmaFits(a)) return cudaErrorInvalidValue;
   static const cudaError_t attr = [] {
     constexpr auto kAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true>, kAttr, wg::kSmem);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false>, kAttr, wg::kSmem);
+    cudaError_t err = cudaFuncSetAttribute(ExpertWgmmaKernel<true, false>, kAttr, wg::kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false, false>, kAttr, wg::kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<true, true>, kAttr, wg::kSmemMx);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(ExpertWgmmaKernel<false, true>, kAttr, wg::kSmemMx);
     return err;
   }();
+  const bool mx = a.q1 != nullptr;
+  const int smem = mx ? wg::kSmemMx : wg::kSmem;
   K3_CUDA_TRY(attr);
   int sms = 0;
   K3_CUDA_TRY(SmCount(&sms));
@@ -605,11 +616,13 @@ cudaError_t RunWgmma(const MoeExpertsArgs& a, MoeWorkspace::Buffers& b, cudaStre
   const int64_t gate_up_items = max_tiles * ((a.I + wg::kBN / 2 - 1) / (wg::kBN / 2)),
                 down_items = max_tiles * ((a.D + wg::kBN - 1) / wg::kBN);
   TileArgs t = GateUpArgs(a, b);
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<true>, static_cast<unsigned>(std::min<int64_t>(gate_up_items, sms)),
-                           wg::kThreads, wg::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(mx ? ExpertWgmmaKernel<true, true> : ExpertWgmmaKernel<true, false>,
+                           static_cast<unsigned>(std::min<int64_t>(gate_up_items, sms)), wg::kThreads, smem, stream,
+                           t));
   ToDown(a, b, &t);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(down_items, sms));
-  K3_CUDA_TRY(LaunchKernel(ExpertWgmmaKernel<false>, grid, wg::kThreads, wg::kSmem, stream, t));
+  K3_CUDA_TRY(LaunchKernel(mx ? ExpertWgmmaKernel<false, true> : ExpertWgmmaKernel<false, false>, grid, wg::kThreads,
+                           smem, stream, t));
   return cudaGetLastError();
 }
 
@@ -816,11 +829,14 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
     return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
   const bool split = a.x_lo != 0;
-  const bool tiled_only = split || a.packed;
-  if (!a.x || !a.idx || !a.w || !a.w1 || (!a.packed && !a.w3) || !a.w2 || (split ? !a.out_f32 : !a.out) ||
-      !b.counts || P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E ||
-      (tiled_only && (gemm == MoeGemm::kCublas || gemm == MoeGemm::kWgmma)))
+  const bool tiled_only = split || a.packed, mx = a.q1 != nullptr;
+  const bool weights = mx ? a.s1 && a.q3 && a.s3 && a.q2 && a.s2 && !split && !a.packed
+                          : a.w1 && (a.packed || a.w3) && a.w2;
+  if (!a.x || !a.idx || !a.w || !weights || (split ? !a.out_f32 : !a.out) || !b.counts || P > b.max_pairs ||
+      a.D > b.D || a.I > b.I || E > b.E || (tiled_only && (gemm == MoeGemm::kCublas || gemm == MoeGemm::kWgmma)) ||
+      (mx && ((gemm != MoeGemm::kWgmma && gemm != MoeGemm::kAuto) || a.D % 32 || a.I % 32)))
     return cudaErrorInvalidValue;
+  if (gemm == MoeGemm::kAuto && mx) gemm = MoeGemm::kWgmma;
   if (gemm == MoeGemm::kAuto && tiled_only) gemm = MoeGemm::kTiled;
   if (gemm == MoeGemm::kAuto)
     gemm = P <= kMoeWgmmaMaxPairsPerExpert * E && WgmmaFits(a) ? MoeGemm::kWgmma : MoeGemm::kCublas;

@@ -12,6 +12,7 @@
 // overlap an item's epilogue. No host synchronization: graph-capturable.
 #pragma once
 
+#include "kernels/cuda/mxfp4_fragments.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace k3::cuda {
@@ -25,7 +26,15 @@ constexpr int kStageBytes = kABytes + kBBytes;
 using StageRing = wgmma::Ring<kStages, kStageBytes>;
 constexpr int kSmem = StageRing::kSmem;
 constexpr int kThreads = 384;
-constexpr int kCopierRegs = 72, kMmaRegs = 216;  // 128·72 + 256·216 ≤ 64K registers; no spills
+// 128·72 + 256·216 = 384·168, the registers the CTA starts with (setmaxnreg.inc waits for what .dec frees)
+constexpr int kCopierRegs = 72, kMmaRegs = 216;
+// MXFP4 weights: a stage also holds the codes and scales of its B tile (256 rows × 2 k32 blocks: 16 r16 groups × 2
+// blocks × 256 + 16 bytes), which the MMA warpgroups dequantize into the B tile while the stage before multiplies;
+// three stages fit.
+constexpr int kStagedCodes = kBN / 16 * 2 * 256, kStagedBytes = kStagedCodes + kBN / 16 * 2 * 16;  // 8 KB + 512
+constexpr int kMxStages = 3, kMxStageBytes = (kStageBytes + kStagedBytes + 1023) / 1024 * 1024;
+using MxStageRing = wgmma::Ring<kMxStages, kMxStageBytes>;
+constexpr int kSmemMx = MxStageRing::kSmem;
 }  // namespace wg
 
 // The gated activation in the epilogue is glu.cuh's GluApprox: with 64 outputs a thread and the tensor cores idle
@@ -47,15 +56,92 @@ __device__ __forceinline__ void QuadTranspose(uint32_t (&x)[4], int tig) {
   }
 }
 
+__device__ __forceinline__ float MxPow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
+
+// The copiers of an MXFP4 kernel (kMx): for each stage, the token rows into the A tile (as the bf16 copiers do) and
+// the B tile's codes and scales after the tiles, all by cp.async: thread tid copies 16-byte parts tid + 128·j of the
+// 8 KB of codes (block (r16, kb) at (2·r16 + kb)·256), threads < 32 a block's 16 bytes of scales.
+template <bool kGlu, class Ring>
+__device__ __forceinline__ void MxCopier(const TileArgs& a, Ring& ring, int items, int col_blocks, int KT) {
+  using namespace wg;
+  constexpr int kCols = kGlu ? kBN / 2 : kBN;
+  const int tid = threadIdx.x, c = tid & 7, r0 = tid >> 3, K = a.K, M = a.M, KB = K / 32;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int2 tile = a.tiles[item / col_blocks];
+    const int e = tile.x, s0 = tile.y, s_end = a.offsets[e + 1], col0 = item % col_blocks * kCols;
+    int32_t src_row[kBM / 16];  // −1: past the segment (zeros)
+#pragma unroll
+    for (int i = 0; i < kBM / 16; ++i) {
+      const int s = s0 + r0 + 16 * i;
+      src_row[i] = s >= s_end ? -1 : a.slot_pair ? a.slot_pair[s] / a.top_k : s;
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      ring.WaitFree();
+      unsigned char* sa = ring.Buffer();
+      bf16* ta = reinterpret_cast<bf16*>(sa);
+      unsigned char* st = sa + kStageBytes;
+      const int k = kt * kBK + c * 8;
+#pragma unroll
+      for (int i = 0; i < kBM / 16; ++i) {
+        const bool ok = k < K && src_row[i] >= 0;
+        ptx::CpAsync16(ta + wgmma::Swz(r0 + 16 * i, c), ok ? a.src + int64_t{src_row[i]} * K + k : a.src,
+                       ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int part = tid + 128 * j, r16 = part / 32, kb = 2 * kt + part / 16 % 2, n0 = 16 * r16;
+        const int f = col0 + (kGlu ? n0 & (kBN / 2 - 1) : n0);
+        const bool ok = f < M && kb < KB;
+        const uint8_t* q = kGlu && n0 >= kBN / 2 ? a.qb[e] : a.qa[e];
+        ptx::CpAsync16(st + part * 16, ok ? q + (int64_t{f / 16} * KB + kb) * 256 + part % 16 * 16 : q, ok ? 16 : 0);
+      }
+      if (tid < 32) {
+        const int r16 = tid / 2, kb = 2 * kt + tid % 2, n0 = 16 * r16;
+        const int f = col0 + (kGlu ? n0 & (kBN / 2 - 1) : n0);
+        const bool ok = f < M && kb < KB;
+        const uint8_t* sc = kGlu && n0 >= kBN / 2 ? a.sb[e] : a.sa[e];
+        ptx::CpAsync16(st + kStagedCodes + tid * 16, ok ? sc + (int64_t{f / 16} * KB + kb) * 16 : sc, ok ? 16 : 0);
+      }
+      wgmma::CpAsyncArrive(ring.full + ring.stage);
+      ring.Advance();
+    }
+  }
+}
+
+// An MMA thread's share (mt = tid − 128 of the two MMA warpgroups) of a stage's B tile from its staged codes: lane
+// slots (r16, kb) = (mt / 64 + 4i, mt / 32 % 2) of lane mt % 32, each Dequant's 16 weights (times the block's scale;
+// the row's 2^R is left for the epilogue) as two 16-byte chunks of the swizzled tile. The stores are made visible
+// to the MMAs' async proxy, and both warpgroups' shares are in before either multiplies.
+__device__ __forceinline__ void MxDequantStage(unsigned char* stage, int mt) {
+  using namespace wg;
+  const unsigned char* st = stage + kStageBytes;
+  bf16* tb = reinterpret_cast<bf16*>(stage + kABytes);
+  const int lane = mt & 31, g = lane / 4, t = lane % 4, kb = mt / 32 % 2;
+#pragma unroll 2
+  for (int i = 0; i < 4; ++i) {
+    const int r16 = mt / 64 + 4 * i, blk = 2 * r16 + kb, n0 = 16 * r16 + g;
+    uint32_t a0[4], a1[4];
+    mxfp4::Dequant(*reinterpret_cast<const uint2*>(st + blk * 256 + lane * 8),
+                   *reinterpret_cast<const uint16_t*>(st + kStagedCodes + blk * 16 + 2 * g), a0, a1);
+    *reinterpret_cast<uint4*>(tb + wgmma::Swz(n0, 4 * kb + t)) = make_uint4(a0[0], a0[2], a1[0], a1[2]);
+    *reinterpret_cast<uint4*>(tb + wgmma::Swz(n0 + 8, 4 * kb + t)) = make_uint4(a0[1], a0[3], a1[1], a1[3]);
+  }
+  wgmma::FenceProxyAsync();
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the MMA warpgroups only (barrier 0 is __syncthreads)
+}
+
 // Items in tile-major order, CTA b taking items b, b + grid, … Measured slower on the H200 at avg 512 (same run,
 // ± 100 µs of noise): bands of 16 tiles walked column-major (L2 hit rate 48% → 60%, DRAM traffic −20%, yet
 // +50..150 µs) and items claimed through an atomic counter (+350..450 µs).
-template <bool kGlu>
+// kMx: MXFP4 weights (qa, sa, qb, sb) in mxfp4.cuh's fragment order: the copiers stage each step's codes and
+// scales (MxCopier), and the MMA warpgroups dequantize them into the B tile (MxDequantStage) while the wgmmas of the
+// stage before run; three stages.
+template <bool kGlu, bool kMx>
 __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a) {  // src_lo, dst_lo, tile_done: unused
   PdlEnter();
   using namespace wg;
   extern __shared__ unsigned char smem_raw[];
-  StageRing ring(smem_raw);
+  std::conditional_t<kMx, MxStageRing, StageRing> ring(smem_raw);
   // The role through a shuffle: ptxas then knows it is warp-uniform, so the MMA branch is not a divergent path,
   // where it serializes the wgmmas (warning C7518: each waits for the one before; ~7% slower at avg 512).
   const int tid = threadIdx.x, group = __shfl_sync(0xffffffffu, tid / 128, 0);
@@ -66,6 +152,11 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
   const int items = *a.num_tiles * col_blocks;
 
   if (group == 0) {  // ------------------------------------------------------------------------------ copier
+    if constexpr (kMx) {
+      wgmma::RegsDownTo<kCopierRegs>();
+      MxCopier<kGlu>(a, ring, items, col_blocks, KT);
+      return;
+    } else {
     wgmma::RegsDownTo<kCopierRegs>();
     const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -106,6 +197,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
       }
     }
     return;
+    }
   }
 
   // ------------------------------------------------------------------------------------------ MMA warpgroups
@@ -121,6 +213,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFilled();
+      if constexpr (kMx) MxDequantStage(ring.Buffer(), tid - 128);  // both warpgroups, live or not
       if (live) {
         wgmma::FenceProxyAsync();  // the copiers' cp.async writes, seen by the MMAs' async proxy
         const uint32_t st = ptx::SmemAddr(ring.Buffer());
@@ -151,9 +244,21 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * q + jj;
           float v0 = acc[4 * j + 2 * h8], v1 = acc[4 * j + 2 * h8 + 1];
+          float u0 = kGlu ? acc[4 * (j + kBN / 16) + 2 * h8] : 0.0f, u1 = kGlu ? acc[4 * (j + kBN / 16) + 2 * h8 + 1] : 0.0f;
+          if (kMx) {  // the rows' 2^R (mxfp4_fragments.cuh)
+            const int f = col0 + 8 * j + 2 * tig;
+            if (f < M) {
+              const uint8_t* ra = a.sa[t.x] + int64_t{M} * (K / 32) + f;
+              v0 *= MxPow2(ra[0]), v1 *= MxPow2(ra[1]);
+              if (kGlu) {
+                const uint8_t* rb = a.sb[t.x] + int64_t{M} * (K / 32) + f;
+                u0 *= MxPow2(rb[0]), u1 *= MxPow2(rb[1]);
+              }
+            }
+          }
           if (kGlu) {
-            v0 = GluApprox(a.act, v0, acc[4 * (j + kBN / 16) + 2 * h8], a.beta1, inv_b1, a.beta2, inv_b2);
-            v1 = GluApprox(a.act, v1, acc[4 * (j + kBN / 16) + 2 * h8 + 1], a.beta1, inv_b1, a.beta2, inv_b2);
+            v0 = GluApprox(a.act, v0, u0, a.beta1, inv_b1, a.beta2, inv_b2);
+            v1 = GluApprox(a.act, v1, u1, a.beta1, inv_b1, a.beta2, inv_b2);
           }
           x[jj] = ptx::PackBf16(v0, v1);
         }

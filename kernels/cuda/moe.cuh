@@ -73,7 +73,8 @@ enum class MoeGemm {
            // else kCublas
   kTiled,  // weight-streaming mma.sync tiles (decode sizes; the only kernels that take a split x)
   kCublas,
-  kWgmma,  // sm_90a: grouped wgmma kernels (experts_wgmma.cuh), tokens through the slot map, GLU fused; plain x only
+  kWgmma,  // sm_90a: grouped wgmma kernels (experts_wgmma.cuh), tokens through the slot map, GLU fused; plain x only;
+           // bf16 weights, or MXFP4 ones (q1 … s2) dequantized on chip
 };
 // At K3 shapes on the H200 (56 experts, Zipf counts; k3serve-bench-kernels, the same run): kWgmma is the fastest
 // from 8 pairs per expert (0.92 ms against kTiled's 0.95) to 128 (1.38–1.42 against kCublas's 1.54); they tie at
@@ -100,6 +101,15 @@ struct MoeExpertsArgs {
   // W1 and W3 in the tiled kernels' packed layout (MoePackGateUp): w1[e] is expert e's packed W1 and W3 together
   // (w3 is not read); W2 stays as above. kTiled only (kAuto picks it).
   bool packed = false;
+  // MXFP4 experts instead of w1, w3, w2 (kernels/cuda/mxfp4.cuh: codes and scales in its fragment order, device
+  // arrays of E pointers each): kWgmma only (kAuto picks it), plain x; the copiers dequantize each stage's
+  // weights on chip into the tiles the tensor cores read.
+  const uint8_t* const* q1 = nullptr;
+  const uint8_t* const* s1 = nullptr;
+  const uint8_t* const* q3 = nullptr;
+  const uint8_t* const* s3 = nullptr;
+  const uint8_t* const* q2 = nullptr;
+  const uint8_t* const* s2 = nullptr;
   GluAct act = GluAct::kSilu;
   float situ_beta = 4.0f;          // β1
   float situ_linear_beta = 25.0f;  // β2

@@ -5,27 +5,16 @@
 #include <vector>
 
 #include "kernels/cuda/moe.cuh"
+#include "kernels/cuda/mxfp4_fragments.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/split.cuh"
 
 namespace k3::cuda {
 
 using bf16 = __nv_bfloat16;
+using namespace mxfp4;
 
 namespace {
-
-// The code layout. Lane (g = l/4, t = l%4) of a warp owns, per 16 rows × 32 inputs, rows g and g + 8 at inputs
-// 8t .. 8t + 7: the k order inside the block is permuted (A and B alike, so the products are unchanged) so that
-// its x is one 16-byte load. Its eight A registers j (k16 step j/4, fragment register j%4: row g + 8·(j&1),
-// inputs 8t + 4·(j/4) + 2·((j%4)/2) + {0, 1}) each hold two codes, whose checkpoint byte is D_j (low nibble =
-// even input). Register j is placed by bits of the lane's 64 stored bits Z: out_j = kM & (F(o1_j) ^ F(o2_j)),
-// F(o) the 32 bits of Z from bit o on (cyclic), kM the bits a code's sign and e1 e0 m take in a bf16
-// (15, 8..6 in each half). Upload solves this linear system over GF(2) for Z. The eight (o1, o2): 17 SHF / LOP3
-// a lane for 16 codes, found by search (no choice of plain rotations covers all 64 bits).
-constexpr uint32_t kM = 0x81C081C0u;
-constexpr int kO1[8] = {0, 32, 3, 6, 35, 10, 13, 38};
-constexpr int kO2[8] = {-1, -1, -1, -1, -1, 36, 37, 42};
-constexpr int kMBits[8] = {6, 7, 8, 15, 22, 23, 24, 31};
 
 // Z for the 8 bytes D: Z = L⁻¹ D, as 8 tables of 256 (one per byte of D).
 struct CodeTables {
@@ -104,6 +93,7 @@ void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows,
 
 struct Mxfp4Workspace::Buffers {
   int64_t max_pairs = 0, D = 0, I = 0, E = 0;
+  bool wgmma = false, dequant_copy = false;  // what Reserve was asked for, so far
   int32_t *counts = nullptr, *offsets = nullptr, *slot_pair = nullptr, *pair_slot = nullptr;
   // The direct kernels' work: [0] the number of passes, then (expert, first token) of each (PassList).
   int32_t* passes = nullptr;
@@ -135,10 +125,13 @@ int64_t MaxPasses(int64_t P, int64_t E) { return std::min(P, E) + (P + 7) / 8; }
 Mxfp4Workspace::Mxfp4Workspace() : b_(std::make_unique<Buffers>()) {}
 Mxfp4Workspace::~Mxfp4Workspace() { b_->Free(); }
 
-cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t E, bool dequant_copy) {
+cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t E, bool dequant_copy,
+                                    bool wgmma) {
   Buffers& b = *b_;
   const bool copy_missing = dequant_copy && b.wbf == nullptr && max_pairs >= kMxfp4DequantMinPairsPerExpert * E;
-  if (max_pairs <= b.max_pairs && D <= b.D && I <= b.I && E <= b.E && !copy_missing) return cudaSuccess;
+  const bool moe_missing = wgmma && b.moe == nullptr && max_pairs >= kMxfp4WgmmaMinPairsPerExpert * E;
+  if (max_pairs <= b.max_pairs && D <= b.D && I <= b.I && E <= b.E && !copy_missing && !moe_missing)
+    return cudaSuccess;
   b.Free();
   b.max_pairs = std::max(max_pairs, b.max_pairs), b.D = std::max(D, b.D), b.I = std::max(I, b.I);
   b.E = std::max(E, b.E);
@@ -151,17 +144,20 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
   if ((e = cudaMalloc(&b.passes, (1 + 2 * MaxPasses(P, b.E)) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.h, 2 * P * b.I * 2)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.y, 2 * P * b.D * 2)) != cudaSuccess) return e;
-  if (!dequant_copy || b.max_pairs < kMxfp4DequantMinPairsPerExpert * b.E) return cudaSuccess;
+  b.wgmma = b.wgmma || wgmma, b.dequant_copy = b.dequant_copy || dequant_copy;
+  const bool copy = b.dequant_copy && b.max_pairs >= kMxfp4DequantMinPairsPerExpert * b.E;
+  if (copy || (b.wgmma && b.max_pairs >= kMxfp4WgmmaMinPairsPerExpert * b.E)) {  // the grouped experts' workspace
+    b.moe = std::make_unique<MoeWorkspace>();
+    if ((e = b.moe->Reserve(b.max_pairs, b.D, b.I, b.E)) != cudaSuccess) return e;
+  }
+  if (!copy) return cudaSuccess;
   const int64_t per_expert = 3 * b.I * b.D;
   if ((e = cudaMalloc(&b.wbf, b.E * per_expert * 2)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.wptr, 3 * b.E * sizeof(bf16*))) != cudaSuccess) return e;
   std::vector<const bf16*> ptrs(3 * b.E);
   for (int64_t x = 0; x < b.E; ++x)
     for (int m = 0; m < 3; ++m) ptrs[m * b.E + x] = b.wbf + x * per_expert + m * b.I * b.D;
-  if ((e = cudaMemcpy(b.wptr, ptrs.data(), ptrs.size() * sizeof(bf16*), cudaMemcpyHostToDevice)) != cudaSuccess)
-    return e;
-  b.moe = std::make_unique<MoeWorkspace>();
-  return b.moe->Reserve(b.max_pairs, b.D, b.I, b.E);
+  return cudaMemcpy(b.wptr, ptrs.data(), ptrs.size() * sizeof(bf16*), cudaMemcpyHostToDevice);
 }
 
 namespace {
@@ -208,33 +204,6 @@ struct KernelArgs {
   float b1 = 0, b2 = 0;
 };
 
-template <int o>
-__device__ __forceinline__ uint32_t Window(uint32_t z0, uint32_t z1) {
-  return o < 32 ? __funnelshift_r(z0, z1, o % 32) : __funnelshift_r(z1, z0, o % 32);
-}
-template <int j>
-__device__ __forceinline__ uint32_t Place(uint32_t z0, uint32_t z1) {
-  if constexpr (kO2[j] < 0) {
-    return Window<kO1[j]>(z0, z1) & kM;
-  } else {
-    return (Window<kO1[j]>(z0, z1) ^ Window<kO2[j]>(z0, z1)) & kM;
-  }
-}
-__device__ __forceinline__ uint32_t Mul(uint32_t v, uint32_t s) {
-  __nv_bfloat162 a, b;
-  *reinterpret_cast<uint32_t*>(&a) = v, *reinterpret_cast<uint32_t*>(&b) = s;
-  const __nv_bfloat162 w = __hmul2(a, b);
-  return *reinterpret_cast<const uint32_t*>(&w);
-}
-// A lane's 16 weights of a (r16, kb) block as its A fragments of the two k16 steps: each register one funnel
-// shift and one LOP3 (a few two), one HMUL2 by the row's 2^(u − 127) (exact).
-__device__ __forceinline__ void Dequant(uint2 q, uint32_t s, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
-  const uint32_t lo = __byte_perm(s, 0, 0x0404) >> 1, hi = __byte_perm(s, 0, 0x1414) >> 1;  // bf16x2 2^(u−127)
-  a0[0] = Mul(Place<0>(q.x, q.y), lo), a0[1] = Mul(Place<1>(q.x, q.y), hi);
-  a0[2] = Mul(Place<2>(q.x, q.y), lo), a0[3] = Mul(Place<3>(q.x, q.y), hi);
-  a1[0] = Mul(Place<4>(q.x, q.y), lo), a1[1] = Mul(Place<5>(q.x, q.y), hi);
-  a1[2] = Mul(Place<6>(q.x, q.y), lo), a1[3] = Mul(Place<7>(q.x, q.y), hi);
-}
 __device__ __forceinline__ float Pow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
 // A CTA: kWarps warps of 16 weight rows each (blockIdx.y) against one pass of up to 8·kTiles tokens of one expert
@@ -523,12 +492,24 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
       a.x_lo % 8 != 0 || reinterpret_cast<uintptr_t>(a.x) % 16 != 0)
     return cudaErrorInvalidValue;
   if (P > b.max_pairs || a.D > b.D || a.I > b.I || E > b.E) return cudaErrorInvalidValue;
-  const bool dequant = a.gemm == Mxfp4Gemm::kDequant ||
-                       (a.gemm == Mxfp4Gemm::kAuto && P >= kMxfp4DequantMinPairsPerExpert * E && b.wbf != nullptr);
-  if (dequant && b.wbf == nullptr) return cudaErrorInvalidValue;
+  const bool auto_dequant =
+      b.wbf != nullptr && P >= (split ? kMxfp4DequantMinPairsPerExpert : kMxfp4PlainDequantMinPairsPerExpert) * E;
+  const bool auto_wgmma = !split && !auto_dequant && P >= kMxfp4WgmmaMinPairsPerExpert * E && b.moe != nullptr;
+  const bool wgmma = a.gemm == Mxfp4Gemm::kWgmma || (a.gemm == Mxfp4Gemm::kAuto && auto_wgmma);
+  const bool dequant = a.gemm == Mxfp4Gemm::kDequant || (a.gemm == Mxfp4Gemm::kAuto && auto_dequant);
+  if ((dequant && b.wbf == nullptr) || (wgmma && (split || b.moe == nullptr))) return cudaErrorInvalidValue;
   if (a.N == 0) return a.experts_hit ? cudaMemsetAsync(a.experts_hit, 0, sizeof(int32_t), stream) : cudaSuccess;
   if (!a.x || !a.idx || !a.w || !a.w1 || !a.s1 || !a.w3 || !a.s3 || !a.w2 || !a.s2 || (split ? !a.out_f32 : !a.out))
     return cudaErrorInvalidValue;
+  if (wgmma) {  // the grouped wgmma experts, their copiers dequantizing each stage on chip
+    MoeExpertsArgs m;
+    m.N = a.N, m.D = a.D, m.I = a.I, m.top_k = a.top_k, m.num_experts = E;
+    m.x = a.x, m.idx = a.idx, m.w = a.w;
+    m.q1 = a.w1, m.s1 = a.s1, m.q3 = a.w3, m.s3 = a.s3, m.q2 = a.w2, m.s2 = a.s2;
+    m.act = a.act, m.situ_beta = a.situ_beta, m.situ_linear_beta = a.situ_linear_beta;
+    m.out = a.out, m.experts_hit = a.experts_hit;
+    return MoeExperts(m, MoeGemm::kWgmma, *b.moe, stream);
+  }
   cudaError_t e = MoePermute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream);
   if (e != cudaSuccess) return e;
   if (dequant) {

@@ -3,22 +3,29 @@
 // weights to bf16 in registers (exact: an E2M1 value times a power of two) and feeds the m16n8k16 bf16
 // tensor-core product; HBM carries 4.25 bits per weight instead of 16.
 //
-// Two paths (Mxfp4Gemm), by routed pairs per expert:
+// Three paths (Mxfp4Gemm), by routed pairs per expert:
 //   kDirect   (decode, few tokens per expert: bandwidth-bound) the weights stream from HBM once per 32 tokens of
 //             an expert. Uploaded in a fragment order (Mxfp4ToFragments): for every 16 rows × 32 inputs, lane l of
 //             a warp reads the 8 bytes (16 codes) of its A fragments of the two k16 steps, re-encoded so that each
 //             bf16 pair takes one funnel shift and one LOP3 (a few: two shifts) plus one HMUL2 by the block's scale
-//             (mxfp4.cu says how), and 2 bytes of scales. A CTA of 8 warps owns 128 weight rows of one pass of an
-//             expert (its tokens up to 16 in one pass, else passes of 32); weights and the pass's x stream through
-//             the CTA's shared-memory ring (cp.async, 6 stages of two k32 blocks), and each warp dequantizes its 16
-//             rows once for all the pass's n-tiles of 8 tokens; the gate/up kernel fuses the activation.
-//   kDequant  (prefill, from kMxfp4DequantMinPairsPerExpert pairs per expert on average: compute-bound) the hit
+//             (kernels/cuda/mxfp4_fragments.cuh says how), and 2 bytes of scales. A CTA of 8 warps owns 128 weight
+//             rows of one pass of an expert (its tokens up to 16 in one pass, else passes of 32); weights and the
+//             pass's x stream through the CTA's shared-memory ring (cp.async, 6 stages of two k32 blocks), and each
+//             warp dequantizes its 16 rows once for all the pass's n-tiles of 8 tokens; the gate/up kernel fuses
+//             the activation.
+//   kWgmma    (prefill, plain x, from kMxfp4WgmmaMinPairsPerExpert pairs per expert on average: compute-bound) our
+//             grouped wgmma experts (MoeExperts kWgmma, experts_wgmma.cuh) with MXFP4 weights: the copier
+//             warpgroup stages each k step's codes and scales by cp.async next to the step's tiles, and the MMA
+//             warpgroups dequantize them into the bf16 tile the tensor cores read while the step before multiplies;
+//             the weights cross HBM at 4.25 bits and no bf16 copy exists. Each 128-token tile dequantizes its
+//             expert's weights again, which the bf16 copy does once: from kMxfp4PlainDequantMinPairsPerExpert the
+//             copy path is ahead where it exists.
+//   kDequant  (prefill, split x, from kMxfp4DequantMinPairsPerExpert pairs per expert: compute-bound) the hit
 //             experts' weights are dequantized once into a bf16 copy in the workspace (a bandwidth-bound pass,
-//             3·E·I·D·2 bytes of device memory: 3.7 GB at K3 latent widths with 56 experts), then our bf16 grouped
-//             experts run on it (MoeExperts: kAuto for a plain x, which takes kCublas above 256 pairs per expert and
-//             then synchronizes the stream; kTiled for a split x). The copy is allocated only when Reserve is
-//             asked for it (dequant_copy) and max_pairs reaches that many pairs per expert: the engine and the
-//             expert node, which keep MXFP4 experts to save memory, do not ask.
+//             3·E·I·D·2 bytes of device memory: 3.7 GB at K3 latent widths with 56 experts), then our bf16 tiled
+//             experts run on it (MoeExperts kTiled, the kernels that take a split x; a plain x: kAuto). The copy is
+//             allocated only when Reserve is asked for it (dequant_copy) and max_pairs reaches that many pairs per
+//             expert: the engine and the expert node, which keep MXFP4 experts to save memory, do not ask.
 // Both keep h and each expert's output in bf16 (split x: both planes) and sum each token's k weighted outputs in
 // pair order (deterministic), as MoeExperts (moe.cuh) does.
 // Reference: k3::cpu::MoeExperts on the weights dequantized by k3::cpu::DequantizeMxfp4.
@@ -43,11 +50,18 @@ void Mxfp4ToFragments(const uint8_t* packed, const uint8_t* scale, int64_t rows,
                       uint8_t* scales);
 
 enum class Mxfp4Gemm {
-  kAuto,     // kDequant from kMxfp4DequantMinPairsPerExpert pairs per expert when the workspace holds the bf16 copy
+  kAuto,     // by pairs per expert on average: plain x kDirect, kWgmma from kMxfp4WgmmaMinPairsPerExpert, kDequant
+             // from kMxfp4PlainDequantMinPairsPerExpert where the workspace holds the bf16 copy; split x kDirect,
+             // kDequant from kMxfp4DequantMinPairsPerExpert where it holds the copy
   kDirect,
-  kDequant,  // needs a workspace reserved for that many pairs per expert
+  kWgmma,    // plain x; needs a workspace reserved for kMxfp4WgmmaMinPairsPerExpert pairs per expert
+  kDequant,  // needs a workspace reserved with the copy for kMxfp4DequantMinPairsPerExpert pairs per expert
 };
+// The crossovers at K3 shapes on the H200 (k3serve-bench-mxfp4, 56 experts, Zipf counts): direct / wgmma 1.24 / 1.42
+// ms at 64, 2.33 / 1.90 at 128; wgmma / dequant 2.92 / 3.18 at 256, 5.25 / 4.53 at 512.
+constexpr int64_t kMxfp4WgmmaMinPairsPerExpert = 96;
 constexpr int64_t kMxfp4DequantMinPairsPerExpert = 192;
+constexpr int64_t kMxfp4PlainDequantMinPairsPerExpert = 384;
 
 struct Mxfp4ExpertsArgs {
   int64_t N = 0;            // tokens
@@ -79,15 +93,18 @@ struct Mxfp4ExpertsArgs {
   Mxfp4Gemm gemm = Mxfp4Gemm::kAuto;
 };
 
-// Scratch for up to max_pairs = N·k pairs; with dequant_copy, from kMxfp4DequantMinPairsPerExpert · num_experts
-// pairs, also the bf16 copy of the experts' weights (kDequant). Not thread-safe.
+// Scratch for up to max_pairs = N·k pairs; with wgmma (for a plain x), from kMxfp4WgmmaMinPairsPerExpert ·
+// num_experts pairs, also the grouped experts' workspace (kWgmma: its own h and outputs, as large again); with
+// dequant_copy, from kMxfp4DequantMinPairsPerExpert · num_experts pairs, also the bf16 copy of the experts' weights
+// and that workspace (kDequant). Not thread-safe.
 class Mxfp4Workspace {
  public:
   Mxfp4Workspace();
   ~Mxfp4Workspace();
   Mxfp4Workspace(const Mxfp4Workspace&) = delete;
   Mxfp4Workspace& operator=(const Mxfp4Workspace&) = delete;
-  cudaError_t Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t num_experts, bool dequant_copy = false);
+  cudaError_t Reserve(int64_t max_pairs, int64_t D, int64_t I, int64_t num_experts, bool dequant_copy = false,
+                      bool wgmma = false);
 
   struct Buffers;
 

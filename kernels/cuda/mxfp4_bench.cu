@@ -142,9 +142,9 @@ int main(int argc, char** argv) {
   std::printf("K3 latent experts: l %ld, I %ld, %ld experts, k %ld, Zipf s = 1.0; MXFP4 weights %.3f GB (bf16 %.3f GB)\n",
               static_cast<long>(D), static_cast<long>(I), static_cast<long>(E), static_cast<long>(k), mx_bytes / 1e9,
               bf_bytes / 1e9);
-  std::printf("%5s %7s | %9s %8s %7s %8s | %9s %8s | %9s %7s | %9s %8s | %9s %8s | %8s\n", "avg", "max/exp",
-              "direct ms", "GB/s", "%copy", "TFLOP/s", "dequant", "TFLOP/s", "split ms", "%copy", "bf16 ms", "TFLOP/s",
-              "torch ms", "vs torch", "vs bf16");
+  std::printf("%5s %7s | %9s %8s %7s %8s | %9s %8s | %9s %8s | %9s %7s | %9s %8s | %9s %8s | %8s\n", "avg",
+              "max/exp", "direct ms", "GB/s", "%copy", "TFLOP/s", "wgmma ms", "TFLOP/s", "dequant", "TFLOP/s",
+              "split ms", "%copy", "bf16 ms", "TFLOP/s", "torch ms", "vs torch", "vs bf16");
   for (int64_t avg : {8, 16, 32, 64, 128, 256, 512}) {
     const auto counts = ZipfCounts(E, avg, 1.0);
     const int64_t P = E * avg, N = P / k;
@@ -168,17 +168,21 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(d_idx, idx.data(), N * k * sizeof(int32_t), cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(d_w, w.data(), N * k * sizeof(float), cudaMemcpyHostToDevice));
 
-    k3::cuda::Mxfp4Workspace ws;  // with the bf16 copy at every average, for the dequantizing path's column
-    CHECK(ws.Reserve(std::max(P, k3::cuda::kMxfp4DequantMinPairsPerExpert * E), D, I, E, true));
+    k3::cuda::Mxfp4Workspace ws;  // with the bf16 copy and the grouped experts' workspace at every average
+    CHECK(ws.Reserve(std::max(P, k3::cuda::kMxfp4DequantMinPairsPerExpert * E), D, I, E, true, true));
     k3::cuda::Mxfp4ExpertsArgs a;
     a.N = N, a.D = D, a.I = I, a.top_k = k, a.num_experts = E;
     a.x = x, a.idx = d_idx, a.w = d_w, a.w1 = p1, a.s1 = ps1, a.w3 = p3, a.s3 = ps3, a.w2 = p2, a.s2 = ps2;
     a.act = k3::cuda::GluAct::kSitu, a.out = out;
     a.gemm = k3::cuda::Mxfp4Gemm::kDirect;
     const double direct_ms = MedianMs([&] { CHECK(k3::cuda::Mxfp4Experts(a, ws, nullptr)); }, iters);
+    a.gemm = k3::cuda::Mxfp4Gemm::kWgmma;
+    const double wgmma_ms = MedianMs([&] { CHECK(k3::cuda::Mxfp4Experts(a, ws, nullptr)); }, iters);
     a.gemm = k3::cuda::Mxfp4Gemm::kDequant;
     const double dequant_ms = MedianMs([&] { CHECK(k3::cuda::Mxfp4Experts(a, ws, nullptr)); }, iters);
-    const double mx_ms = avg >= k3::cuda::kMxfp4DequantMinPairsPerExpert ? dequant_ms : direct_ms;  // kAuto's
+    const double mx_ms = avg >= k3::cuda::kMxfp4PlainDequantMinPairsPerExpert ? dequant_ms  // kAuto's
+                         : avg >= k3::cuda::kMxfp4WgmmaMinPairsPerExpert      ? wgmma_ms
+                                                                              : direct_ms;
     k3::cuda::Mxfp4ExpertsArgs as = a;  // the GPU engine's split x, kAuto
     as.gemm = k3::cuda::Mxfp4Gemm::kAuto, as.x_lo = N * D, as.out = nullptr, as.out_f32 = out_f32;
     const double split_ms = MedianMs([&] { CHECK(k3::cuda::Mxfp4Experts(as, ws, nullptr)); }, iters);
@@ -198,19 +202,21 @@ int main(int argc, char** argv) {
                                 ? torch["times_ms"][key].get<double>()
                                 : NAN;
     const double split_gbs = mx_bytes / (split_ms * 1e-3) / 1e9;
-    std::printf("%5ld %7ld | %9.3f %8.0f %6.1f%% %8.1f | %9.3f %8.1f | %9.3f %6.1f%% | %9.3f %8.1f | %9.3f %7.2fx | %7.2fx\n",
+    std::printf("%5ld %7ld | %9.3f %8.0f %6.1f%% %8.1f | %9.3f %8.1f | %9.3f %8.1f | %9.3f %6.1f%% | %9.3f %8.1f | %9.3f "
+                "%7.2fx | %7.2fx\n",
                 static_cast<long>(avg), static_cast<long>(counts.front()), direct_ms, mx_gbs, 100.0 * mx_gbs / copy_gbs,
-                flops / (direct_ms * 1e-3) / 1e12, dequant_ms, flops / (dequant_ms * 1e-3) / 1e12, split_ms,
+                flops / (direct_ms * 1e-3) / 1e12, wgmma_ms, flops / (wgmma_ms * 1e-3) / 1e12, dequant_ms, flops / (dequant_ms * 1e-3) / 1e12, split_ms,
                 100.0 * split_gbs / copy_gbs, bf_ms, flops / (bf_ms * 1e-3) / 1e12, torch_ms, torch_ms / mx_ms,
                 bf_ms / mx_ms);
     for (void* v : {static_cast<void*>(x), static_cast<void*>(out), static_cast<void*>(out_f32), static_cast<void*>(out_bf),
                     static_cast<void*>(d_idx), static_cast<void*>(d_w)})
       CHECK(cudaFree(v));
   }
-  std::printf("direct / dequant: the two MXFP4 paths (Mxfp4Gemm); split: x as hi + lo planes, fp32 out (the GPU engine's\n"
-              "activations), kAuto. vs torch: torch.bmm bf16 time (equal tokens per expert, the three products only) over\n"
-              "MXFP4 kAuto's (direct below %ld pairs per expert, dequant from there); vs bf16: our bf16 grouped experts'\n"
-              "(kAuto, the same routing) over MXFP4 kAuto's (= MXFP4 TFLOP/s over bf16 TFLOP/s)\n",
-              static_cast<long>(k3::cuda::kMxfp4DequantMinPairsPerExpert));
+  std::printf("direct / wgmma / dequant: the three MXFP4 paths (Mxfp4Gemm); split: x as hi + lo planes, fp32 out (the\n"
+              "GPU engine's activations), kAuto. vs torch: torch.bmm bf16 time (equal tokens per expert, the three products\n"
+              "only) over MXFP4 kAuto's (direct below %ld pairs per expert, wgmma below %ld, dequant from there); vs bf16:\n"
+              "our bf16 grouped experts' (kAuto, the same routing) over MXFP4 kAuto's (= MXFP4 TFLOP/s over bf16 TFLOP/s)\n",
+              static_cast<long>(k3::cuda::kMxfp4WgmmaMinPairsPerExpert),
+              static_cast<long>(k3::cuda::kMxfp4PlainDequantMinPairsPerExpert));
   return 0;
 }

@@ -90,14 +90,20 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
     if (e >= 0) used[e] = true;
   // Both paths: the direct kernels, and the bf16 copy (its workspace reserved for enough pairs per expert) under
   // our bf16 grouped experts.
-  for (Mxfp4Gemm gemm : {Mxfp4Gemm::kDirect, Mxfp4Gemm::kDequant}) {
+  // Every path: the direct kernels, the grouped wgmma experts dequantizing on chip (plain x), and the bf16 copy
+  // (its workspace reserved for enough pairs per expert) under our bf16 grouped experts.
+  for (Mxfp4Gemm gemm : {Mxfp4Gemm::kDirect, Mxfp4Gemm::kWgmma, Mxfp4Gemm::kDequant}) {
+    if (gemm == Mxfp4Gemm::kWgmma && split) continue;
     DeviceBuffer<uint16_t> out(N * D);
     DeviceBuffer<float> out_f32(N * D);
     DeviceBuffer<int32_t> hit(1);
     CUDA_OK(cudaMemset(hit.get(), 0xFF, sizeof(int32_t)));
     Mxfp4Workspace ws;
     const bool dequant = gemm == Mxfp4Gemm::kDequant;
-    CUDA_OK(ws.Reserve(dequant ? std::max(N * k, kMxfp4DequantMinPairsPerExpert * E) : N * k, D, I, E, dequant));
+    const int64_t min_pairs = dequant                       ? kMxfp4DequantMinPairsPerExpert * E
+                              : gemm == Mxfp4Gemm::kWgmma ? kMxfp4WgmmaMinPairsPerExpert * E
+                                                          : 0;
+    CUDA_OK(ws.Reserve(std::max(N * k, min_pairs), D, I, E, dequant, gemm == Mxfp4Gemm::kWgmma));
     Mxfp4ExpertsArgs a;
     a.gemm = gemm;
     a.N = N, a.D = D, a.I = I, a.top_k = k, a.num_experts = E;
@@ -120,8 +126,8 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
     // both keep 16 bits, and the rest is fp32 summation order.
     EXPECT_LT(RelDiff(got, ref), split ? 1e-4 : 1e-2) << "N=" << N << " D=" << D << " I=" << I << " E=" << E
                                                       << " k=" << k << " split=" << split << " scales from " << base
-                                                      << " dequant=" << dequant;
-    EXPECT_EQ(hit.ToHost()[0], std::count(used.begin(), used.end(), true)) << "dequant=" << dequant;
+                                                      << " gemm=" << static_cast<int>(gemm);
+    EXPECT_EQ(hit.ToHost()[0], std::count(used.begin(), used.end(), true)) << "gemm=" << static_cast<int>(gemm);
     // Reproducible run to run.
     CUDA_OK(Mxfp4Experts(a, ws, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
@@ -197,6 +203,10 @@ TEST(Mxfp4ExpertsCuda, RefusesBadArguments) {
   EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // lo offset off 8 elements
   a.x_lo = 4 * 64, a.gemm = Mxfp4Gemm::kDequant;
   EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // no bf16 copy reserved
+  a.gemm = Mxfp4Gemm::kWgmma;
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // the grouped experts take a plain x only
+  a.x_lo = 0, a.out_f32 = nullptr;
+  EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // ... and their workspace was not reserved
   a.gemm = Mxfp4Gemm::kAuto, a.N = 5;
   EXPECT_EQ(Mxfp4Experts(a, ws, nullptr), cudaErrorInvalidValue);  // 10 pairs, 8 reserved
 }
