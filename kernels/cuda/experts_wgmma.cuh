@@ -56,6 +56,24 @@ __device__ __forceinline__ void QuadTranspose(uint32_t (&x)[4], int tig) {
   }
 }
 
+// The copiers' token rows of an item: the source row of slot s0 + r0 + 16·i (−1: past the segment, zeros).
+__device__ __forceinline__ void TokenRows(const TileArgs& a, int s0, int s_end, int r0, int32_t (&src_row)[wg::kBM / 16]) {
+#pragma unroll
+  for (int i = 0; i < wg::kBM / 16; ++i) {
+    const int s = s0 + r0 + 16 * i;
+    src_row[i] = s >= s_end ? -1 : a.slot_pair ? a.slot_pair[s] / a.top_k : s;
+  }
+}
+// Their cp.asyncs of a stage's A tile: 16-byte chunk c (inputs k .. k + 7) of rows r0 + 16·i.
+__device__ __forceinline__ void CopyTokenRows(const TileArgs& a, bf16* ta, const int32_t (&src_row)[wg::kBM / 16],
+                                              int r0, int c, int k) {
+#pragma unroll
+  for (int i = 0; i < wg::kBM / 16; ++i) {
+    const bool ok = k < a.K && src_row[i] >= 0;
+    ptx::CpAsync16(ta + wgmma::Swz(r0 + 16 * i, c), ok ? a.src + int64_t{src_row[i]} * a.K + k : a.src, ok ? 16 : 0);
+  }
+}
+
 __device__ __forceinline__ float MxPow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
 // The copiers of an MXFP4 kernel (kMx): for each stage, the token rows into the A tile (as the bf16 copiers do) and
@@ -65,28 +83,17 @@ template <bool kGlu, class Ring>
 __device__ __forceinline__ void MxCopier(const TileArgs& a, Ring& ring, int items, int col_blocks, int KT) {
   using namespace wg;
   constexpr int kCols = kGlu ? kBN / 2 : kBN;
-  const int tid = threadIdx.x, c = tid & 7, r0 = tid >> 3, K = a.K, M = a.M, KB = K / 32;
+  const int tid = threadIdx.x, c = tid & 7, r0 = tid >> 3, M = a.M, KB = a.K / 32;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int2 tile = a.tiles[item / col_blocks];
-    const int e = tile.x, s0 = tile.y, s_end = a.offsets[e + 1], col0 = item % col_blocks * kCols;
-    int32_t src_row[kBM / 16];  // −1: past the segment (zeros)
-#pragma unroll
-    for (int i = 0; i < kBM / 16; ++i) {
-      const int s = s0 + r0 + 16 * i;
-      src_row[i] = s >= s_end ? -1 : a.slot_pair ? a.slot_pair[s] / a.top_k : s;
-    }
+    const int e = tile.x, col0 = item % col_blocks * kCols;
+    int32_t src_row[kBM / 16];
+    TokenRows(a, tile.y, a.offsets[e + 1], r0, src_row);
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFree();
       unsigned char* sa = ring.Buffer();
-      bf16* ta = reinterpret_cast<bf16*>(sa);
       unsigned char* st = sa + kStageBytes;
-      const int k = kt * kBK + c * 8;
-#pragma unroll
-      for (int i = 0; i < kBM / 16; ++i) {
-        const bool ok = k < K && src_row[i] >= 0;
-        ptx::CpAsync16(ta + wgmma::Swz(r0 + 16 * i, c), ok ? a.src + int64_t{src_row[i]} * K + k : a.src,
-                       ok ? 16 : 0);
-      }
+      CopyTokenRows(a, reinterpret_cast<bf16*>(sa), src_row, r0, c, kt * kBK + c * 8);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int part = tid + 128 * j, r16 = part / 32, kb = 2 * kt + part / 16 % 2, n0 = 16 * r16;
@@ -161,13 +168,9 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const int2 t = a.tiles[item / col_blocks];
-      const int e = t.x, s0 = t.y, s_end = a.offsets[e + 1], col0 = item % col_blocks * kCols;
-      int32_t src_row[kBM / 16];  // −1: past the segment (zeros)
-#pragma unroll
-      for (int i = 0; i < kBM / 16; ++i) {
-        const int s = s0 + r0 + 16 * i;
-        src_row[i] = s >= s_end ? -1 : a.slot_pair ? a.slot_pair[s] / a.top_k : s;
-      }
+      const int e = t.x, col0 = item % col_blocks * kCols;
+      int32_t src_row[kBM / 16];
+      TokenRows(a, t.y, a.offsets[e + 1], r0, src_row);
       // B rows r0 + 16·i: gate/up i < 8 from W1, i ≥ 8 the same features of W3.
       const bf16* w_lo = a.wa[e];
       const bf16* w_hi = kGlu ? a.wb[e] : w_lo;
@@ -178,12 +181,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
         bf16* tb = reinterpret_cast<bf16*>(sa + kABytes);
         const int k = kt * kBK + c * 8;
         const bool k_in = k < K;
-#pragma unroll
-        for (int i = 0; i < kBM / 16; ++i) {
-          const bool ok = k_in && src_row[i] >= 0;
-          ptx::CpAsync16(ta + wgmma::Swz(r0 + 16 * i, c), ok ? a.src + int64_t{src_row[i]} * K + k : a.src,
-                         ok ? 16 : 0);
-        }
+        CopyTokenRows(a, ta, src_row, r0, c, k);
 #pragma unroll 4  // not 16: sixteen hoisted row pointers would spill the copiers' 72 registers
         for (int i = 0; i < kBN / 16; ++i) {
           const int n = r0 + 16 * i, f = col0 + (kGlu ? n & (kBN / 2 - 1) : n);

@@ -102,8 +102,8 @@ struct MoeExpertsArgs {
   // (w3 is not read); W2 stays as above. kTiled only (kAuto picks it).
   bool packed = false;
   // MXFP4 experts instead of w1, w3, w2 (kernels/cuda/mxfp4.cuh: codes and scales in its fragment order, device
-  // arrays of E pointers each): kWgmma only (kAuto picks it), plain x; the copiers dequantize each stage's
-  // weights on chip into the tiles the tensor cores read.
+  // arrays of E pointers each): kWgmma only (kAuto picks it), plain x; each stage's weights are dequantized on
+  // chip into the tiles the tensor cores read.
   const uint8_t* const* q1 = nullptr;
   const uint8_t* const* s1 = nullptr;
   const uint8_t* const* q3 = nullptr;
