@@ -28,13 +28,14 @@ constexpr int kSmem = StageRing::kSmem;
 constexpr int kThreads = 384;
 // 128·72 + 256·216 = 384·168, the registers the CTA starts with (setmaxnreg.inc waits for what .dec frees)
 constexpr int kCopierRegs = 72, kMmaRegs = 216;
-// MXFP4 weights: a stage also holds the codes and scales of its B tile (256 rows × 2 k32 blocks: 16 r16 groups × 2
-// blocks × 256 + 16 bytes), which the MMA warpgroups dequantize into the B tile while the stage before multiplies;
-// three stages fit.
+// MXFP4 weights: each stage's B tile also has its codes and scales (256 rows × 2 k32 blocks: 16 r16 groups × 2
+// blocks × 256 + 16 bytes) staged after the ring's barriers, which the MMA warpgroups dequantize into the B tile
+// while the stage before multiplies. Four stages fit only without the alignment slack the ring reserves (227 KB
+// with 960 bytes to spare): the kernel traps should the dynamic shared memory start more than that off 1024 bytes.
 constexpr int kStagedCodes = kBN / 16 * 2 * 256, kStagedBytes = kStagedCodes + kBN / 16 * 2 * 16;  // 8 KB + 512
-constexpr int kMxStages = 3, kMxStageBytes = (kStageBytes + kStagedBytes + 1023) / 1024 * 1024;
-using MxStageRing = wgmma::Ring<kMxStages, kMxStageBytes>;
-constexpr int kSmemMx = MxStageRing::kSmem;
+constexpr int kSmemMx = 227 * 1024;
+constexpr int kMxUsed = kStages * kStageBytes + 2 * kStages * 8 + kStages * kStagedBytes;
+static_assert(kMxUsed <= kSmemMx, "four stages and their codes");
 }  // namespace wg
 
 // The gated activation in the epilogue is glu.cuh's GluApprox: with 64 outputs a thread and the tensor cores idle
@@ -76,8 +77,14 @@ __device__ __forceinline__ void CopyTokenRows(const TileArgs& a, bf16* ta, const
 
 __device__ __forceinline__ float MxPow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
+// The staged codes and scales of the ring's current stage (after its barriers).
+template <class Ring>
+__device__ __forceinline__ unsigned char* MxStaged(const Ring& ring) {
+  return reinterpret_cast<unsigned char*>(ring.empty + wg::kStages) + ring.stage * wg::kStagedBytes;
+}
+
 // The copiers of an MXFP4 kernel (kMx): for each stage, the token rows into the A tile (as the bf16 copiers do) and
-// the B tile's codes and scales after the tiles, all by cp.async: thread tid copies 16-byte parts tid + 128·j of the
+// the B tile's codes and scales (MxStaged), all by cp.async: thread tid copies 16-byte parts tid + 128·j of the
 // 8 KB of codes (block (r16, kb) at (2·r16 + kb)·256), threads < 32 a block's 16 bytes of scales.
 template <bool kGlu, class Ring>
 __device__ __forceinline__ void MxCopier(const TileArgs& a, Ring& ring, int items, int col_blocks, int KT) {
@@ -92,7 +99,7 @@ __device__ __forceinline__ void MxCopier(const TileArgs& a, Ring& ring, int item
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFree();
       unsigned char* sa = ring.Buffer();
-      unsigned char* st = sa + kStageBytes;
+      unsigned char* st = MxStaged(ring);
       CopyTokenRows(a, reinterpret_cast<bf16*>(sa), src_row, r0, c, kt * kBK + c * 8);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -119,9 +126,8 @@ __device__ __forceinline__ void MxCopier(const TileArgs& a, Ring& ring, int item
 // slots (r16, kb) = (mt / 64 + 4i, mt / 32 % 2) of lane mt % 32, each Dequant's 16 weights (times the block's scale;
 // the row's 2^R is left for the epilogue) as two 16-byte chunks of the swizzled tile. The stores are made visible
 // to the MMAs' async proxy, and both warpgroups' shares are in before either multiplies.
-__device__ __forceinline__ void MxDequantStage(unsigned char* stage, int mt) {
+__device__ __forceinline__ void MxDequantStage(unsigned char* stage, const unsigned char* st, int mt) {
   using namespace wg;
-  const unsigned char* st = stage + kStageBytes;
   bf16* tb = reinterpret_cast<bf16*>(stage + kABytes);
   const int lane = mt & 31, g = lane / 4, t = lane % 4, kb = mt / 32 % 2;
 #pragma unroll 2
@@ -142,13 +148,14 @@ __device__ __forceinline__ void MxDequantStage(unsigned char* stage, int mt) {
 // +50..150 µs) and items claimed through an atomic counter (+350..450 µs).
 // kMx: MXFP4 weights (qa, sa, qb, sb) in mxfp4.cuh's fragment order: the copiers stage each step's codes and
 // scales (MxCopier), and the MMA warpgroups dequantize them into the B tile (MxDequantStage) while the wgmmas of the
-// stage before run; three stages.
+// stage before run.
 template <bool kGlu, bool kMx>
 __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a) {  // src_lo, dst_lo, tile_done: unused
   PdlEnter();
   using namespace wg;
   extern __shared__ unsigned char smem_raw[];
-  std::conditional_t<kMx, MxStageRing, StageRing> ring(smem_raw);
+  StageRing ring(smem_raw);
+  if (kMx && threadIdx.x == 0 && ring.base - smem_raw + kMxUsed > kSmemMx) __trap();
   // The role through a shuffle: ptxas then knows it is warp-uniform, so the MMA branch is not a divergent path,
   // where it serializes the wgmmas (warning C7518: each waits for the one before; ~7% slower at avg 512).
   const int tid = threadIdx.x, group = __shfl_sync(0xffffffffu, tid / 128, 0);
@@ -211,7 +218,7 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < KT; ++kt) {
       ring.WaitFilled();
-      if constexpr (kMx) MxDequantStage(ring.Buffer(), tid - 128);  // both warpgroups, live or not
+      if constexpr (kMx) MxDequantStage(ring.Buffer(), MxStaged(ring), tid - 128);  // both warpgroups, live or not
       if (live) {
         wgmma::FenceProxyAsync();  // the copiers' cp.async writes, seen by the MMAs' async proxy
         const uint32_t st = ptx::SmemAddr(ring.Buffer());

@@ -15,7 +15,7 @@
 //             the activation.
 //   kWgmma    (prefill, plain x, from kMxfp4WgmmaMinPairsPerExpert pairs per expert on average: compute-bound) our
 //             grouped wgmma experts (MoeExperts kWgmma, experts_wgmma.cuh) with MXFP4 weights: the copier
-//             warpgroup stages each k step's codes and scales by cp.async next to the step's tiles, and the MMA
+//             warpgroup stages each k step's codes and scales by cp.async with the step's tokens, and the MMA
 //             warpgroups dequantize them into the bf16 tile the tensor cores read while the step before multiplies;
 //             the weights cross HBM at 4.25 bits and no bf16 copy exists. Each 128-token tile dequantizes its
 //             expert's weights again, which the bf16 copy does once: from kMxfp4PlainDequantMinPairsPerExpert the
@@ -57,11 +57,11 @@ enum class Mxfp4Gemm {
   kWgmma,    // plain x; needs a workspace reserved for kMxfp4WgmmaMinPairsPerExpert pairs per expert
   kDequant,  // needs a workspace reserved with the copy for kMxfp4DequantMinPairsPerExpert pairs per expert
 };
-// The crossovers at K3 shapes on the H200 (k3serve-bench-mxfp4, 56 experts, Zipf counts): direct / wgmma 1.24 / 1.42
-// ms at 64, 2.33 / 1.90 at 128; wgmma / dequant 2.92 / 3.18 at 256, 5.25 / 4.53 at 512.
-constexpr int64_t kMxfp4WgmmaMinPairsPerExpert = 96;
+// The crossovers at K3 shapes on the H200 (k3serve-bench-mxfp4, 56 experts, Zipf counts): direct / wgmma 1.23 / 1.28
+// ms at 64, 2.29 / 1.74 at 128; wgmma / dequant 2.78 / 3.18 at 256, 4.97 / 4.51 at 512.
+constexpr int64_t kMxfp4WgmmaMinPairsPerExpert = 80;
 constexpr int64_t kMxfp4DequantMinPairsPerExpert = 192;
-constexpr int64_t kMxfp4PlainDequantMinPairsPerExpert = 384;
+constexpr int64_t kMxfp4PlainDequantMinPairsPerExpert = 448;
 
 struct Mxfp4ExpertsArgs {
   int64_t N = 0;            // tokens
