@@ -45,6 +45,8 @@ ABSL_FLAG(int64_t, max_waiting, 256, "queued requests beyond which Generate answ
 ABSL_FLAG(int64_t, max_context, 0, "prompt + generated tokens per request (0: the model's model_max_length)");
 ABSL_FLAG(int32_t, max_tokens_limit, 4096, "largest max_tokens a request may ask for");
 ABSL_FLAG(bool, ping_pong, true, "split each step into two micro-batches that overlap expert dispatch");
+ABSL_FLAG(bool, ping_pong_adaptive, true,
+          "with --ping-pong: split a step only while splitting measures faster than not at its token count");
 ABSL_FLAG(int, dispatch_timeout_ms, 0,
           "an expert node that leaves an MoE dispatch unanswered this long is reported and avoided; the dispatch is "
           "retried on a replica, else fails UNAVAILABLE (0: 500 ms above twice the slowest recent round trip)");
@@ -408,7 +410,8 @@ int main(int argc, char** argv) {
     backend = std::make_unique<k3::cuda::CudaBackend>(*gpu_model);
   }
 #endif
-  if (cpu_model) backend = std::make_unique<k3::CpuBackend>(*cpu_model, timed, absl::GetFlag(FLAGS_ping_pong));
+  if (cpu_model) backend = std::make_unique<k3::CpuBackend>(*cpu_model, timed, absl::GetFlag(FLAGS_ping_pong),
+                                                                 absl::GetFlag(FLAGS_ping_pong_adaptive));
   std::atomic<int64_t> stat_running{0}, stat_waiting{0}, stat_state_bytes{0}, steps{0}, step_nanos{0};
   k3::EngineLoop loop(*backend, eopt, [&](const k3::EngineStats& s, absl::Duration took) {
     running->Set(static_cast<double>(s.running));

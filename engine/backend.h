@@ -34,10 +34,13 @@ class Backend {
 };
 
 // The CPU model, its routed experts behind an ExpertExecutor (in process or remote). With ping_pong
-// a batch of two or more chunks runs as two micro-batches whose expert dispatches overlap.
+// a batch of two or more chunks runs as two micro-batches whose expert dispatches overlap. Each
+// micro-batch reads all the non-expert weights, so where those outweigh the overlap (a large model,
+// few tokens) splitting is slower; with adaptive, a step is split only while splitting measures
+// faster than not at the step's token count.
 class CpuBackend : public Backend {
  public:
-  CpuBackend(const Model& model, ExpertExecutor& experts, bool ping_pong = false);
+  CpuBackend(const Model& model, ExpertExecutor& experts, bool ping_pong = false, bool adaptive = false);
 
   const ModelConfig& config() const override { return model_.config(); }
   absl::StatusOr<int32_t> NewSequence() override;
@@ -48,7 +51,17 @@ class CpuBackend : public Backend {
  private:
   const Model& model_;
   ExpertExecutor& experts_;
+  // Step time of each way (0: whole, 1: split) at one token count: an EMA, and how many steps.
+  struct SplitTiming {
+    double ema_s[2] = {0, 0};
+    int64_t steps[2] = {0, 0};
+  };
+  bool ChooseSplit(int64_t tokens);
+  absl::Status ForwardSplit(std::span<const SeqChunk> sc, std::vector<float>* logits);
+
   const bool ping_pong_;
+  const bool adaptive_;
+  std::map<int64_t, SplitTiming> timing_;
   int32_t next_ = 0;
   std::map<int32_t, std::unique_ptr<SequenceState>> states_;
 };

@@ -55,11 +55,13 @@ std::map<uint64_t, std::pair<std::vector<int32_t>, FinishReason>> Drain(Engine& 
 TEST(Engine, ConcurrentEqualsAlone) {
   const Model& m = Tiny();
   LocalExpertExecutor experts(m.config(), m.weights());
-  for (bool ping_pong : {false, true}) {
+  // Adaptive ping-pong switches between split and whole steps as it measures: the same tokens.
+  for (int mode : {0, 1, 2}) {
+    const bool ping_pong = mode > 0;
     EngineOptions opt;
     opt.max_batch_tokens = 24;
     opt.max_running = 5;  // more sequences than slots: some wait
-    CpuBackend backend(m, experts, ping_pong);
+    CpuBackend backend(m, experts, ping_pong, /*adaptive=*/mode == 2);
     Engine e(backend, opt);
     const std::vector<int64_t> lens = {1, 3, 17, 40, 2, 70, 9, 33};
     for (size_t i = 0; i < lens.size(); ++i) ASSERT_TRUE(e.Add(i, Ids(lens[i], i), Greedy(6 + i)).ok());
@@ -68,7 +70,7 @@ TEST(Engine, ConcurrentEqualsAlone) {
     for (size_t i = 0; i < lens.size(); ++i) {
       auto alone = GenerateGreedy(m, Ids(lens[i], i), 6 + i);
       ASSERT_TRUE(alone.ok());
-      EXPECT_EQ(got[i].first, *alone) << "sequence " << i << " ping_pong " << ping_pong;
+      EXPECT_EQ(got[i].first, *alone) << "sequence " << i << " ping-pong mode " << mode;
       EXPECT_EQ(got[i].second, FinishReason::kLength);
     }
     EXPECT_EQ(e.Stats().running, 0);
