@@ -45,8 +45,10 @@ ABSL_FLAG(int64_t, max_waiting, 256, "queued requests beyond which Generate answ
 ABSL_FLAG(int64_t, max_context, 0, "prompt + generated tokens per request (0: the model's model_max_length)");
 ABSL_FLAG(int32_t, max_tokens_limit, 4096, "largest max_tokens a request may ask for");
 ABSL_FLAG(bool, ping_pong, true, "split each step into two micro-batches that overlap expert dispatch");
-ABSL_FLAG(bool, ping_pong_adaptive, true,
-          "with --ping-pong: split a step only while splitting measures faster than not at its token count");
+ABSL_FLAG(bool, ping_pong_adaptive, false,
+          "with --ping-pong: split a step only while splitting measures faster than not at its token count (where "
+          "the weights outweigh the overlap: a large model, few tokens; not where expert nodes share the host's "
+          "cores, whose waits it does not see)");
 ABSL_FLAG(int, dispatch_timeout_ms, 0,
           "an expert node that leaves an MoE dispatch unanswered this long is reported and avoided; the dispatch is "
           "retried on a replica, else fails UNAVAILABLE (0: 500 ms above twice the slowest recent round trip)");

@@ -264,7 +264,8 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   co.model = o.model;
   co.attention = o.attention;
   co.experts = o.experts;
-  co.attention_args = {absl::StrCat("--max-running=", o.streams)};
+  co.attention_args = {absl::StrCat("--max-running=", o.streams),
+                       absl::StrCat("--ping-pong-adaptive=", o.ping_pong_adaptive ? "true" : "false")};
   co.expert_args = {"--data-plane=" + o.data_plane};
   co.gateway = true;
   if (o.skew) {

@@ -21,6 +21,7 @@ struct BenchOptions {
   // Let the router rebalance (EPLB, redundant slots) on measured imbalance: after the first pass it
   // waits for the rebalance, runs a second pass, and prints per-layer and per-node load of both.
   bool skew = false;
+  bool ping_pong_adaptive = false;  // the attention nodes' --ping-pong-adaptive
 };
 
 absl::Status RunClusterBench(const BenchOptions& options);
