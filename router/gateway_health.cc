@@ -71,8 +71,12 @@ class AsyncHealth::WatchCall {
 
   // The status now; with `end`, the call ends once it is sent.
   void Update(ServingStatus s, bool end) {
-    want_ = s;
-    end_ = end_ || end;
+    if (s != queued_) {
+      queued_ = s;
+      out_.pending.set_status(s);
+      out_.has_pending = true;
+    }
+    if (end && !out_.end) out_.end = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
     Flush();
   }
   const std::string& service() const { return req_.service(); }
@@ -95,23 +99,10 @@ class AsyncHealth::WatchCall {
     Update(s, end);
   }
 
-  void Flush() {
-    if (writing_ || finishing_ || gone_) return;
-    if (want_ != sent_) {
-      sent_ = want_;
-      resp_.set_status(sent_);
-      writing_ = true;
-      writer_.Write(resp_, &wrote_);
-      return;
-    }
-    if (end_) {
-      finishing_ = true;
-      writer_.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"), &finished_);
-    }
-  }
+  void Flush() { out_.Flush(writer_, !gone_, &wrote_, &finished_); }
 
   void WriteDone(bool ok) {
-    writing_ = false;
+    out_.writing = false;
     if (!ok) gone_ = true;  // the client went away
     Flush();
     MaybeDelete();
@@ -127,7 +118,7 @@ class AsyncHealth::WatchCall {
     MaybeDelete();
   }
   void MaybeDelete() {
-    if (!call_done_ || writing_ || (finishing_ && !finish_done_)) return;
+    if (!call_done_ || out_.writing || (out_.finishing && !finish_done_)) return;
     h_->watchers_.erase(this);
     delete this;
   }
@@ -135,13 +126,13 @@ class AsyncHealth::WatchCall {
   AsyncHealth* const h_;
   grpc::ServerContext ctx_;
   health::HealthCheckRequest req_;
-  health::HealthCheckResponse resp_;
   grpc::ServerAsyncWriter<health::HealthCheckResponse> writer_{&ctx_};
   CqOn<WatchCall> arrived_{this, &WatchCall::Arrived}, wrote_{this, &WatchCall::WriteDone},
       finished_{this, &WatchCall::FinishDone}, done_{this, &WatchCall::CallDone};
+  CoalescedWrites<health::HealthCheckResponse> out_;
   // UNKNOWN (0) is never a status sent: the first Update always writes.
-  ServingStatus want_ = health::HealthCheckResponse::UNKNOWN, sent_ = health::HealthCheckResponse::UNKNOWN;
-  bool end_ = false, writing_ = false, finishing_ = false, finish_done_ = false, call_done_ = false, gone_ = false;
+  ServingStatus queued_ = health::HealthCheckResponse::UNKNOWN;
+  bool finish_done_ = false, call_done_ = false, gone_ = false;
 };
 
 AsyncHealth::AsyncHealth() { serving_[""] = false; }

@@ -58,7 +58,8 @@ __device__ __forceinline__ void QuadTranspose(uint32_t (&x)[4], int tig) {
 }
 
 // The copiers' token rows of an item: the source row of slot s0 + r0 + 16·i (−1: past the segment, zeros).
-__device__ __forceinline__ void TokenRows(const TileArgs& a, int s0, int s_end, int r0, int32_t (&src_row)[wg::kBM / 16]) {
+__device__ __forceinline__ void TokenRows(const TileArgs& a, int s0, int s_end, int r0,
+                                          int32_t (&src_row)[wg::kBM / 16]) {
 #pragma unroll
   for (int i = 0; i < wg::kBM / 16; ++i) {
     const int s = s0 + r0 + 16 * i;
@@ -166,43 +167,41 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
   const int items = *a.num_tiles * col_blocks;
 
   if (group == 0) {  // ------------------------------------------------------------------------------ copier
-    if constexpr (kMx) {
-      wgmma::RegsDownTo<kCopierRegs>();
-      MxCopier<kGlu>(a, ring, items, col_blocks, KT);
-      return;
-    } else {
     wgmma::RegsDownTo<kCopierRegs>();
-    const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int2 t = a.tiles[item / col_blocks];
-      const int e = t.x, col0 = item % col_blocks * kCols;
-      int32_t src_row[kBM / 16];
-      TokenRows(a, t.y, a.offsets[e + 1], r0, src_row);
-      // B rows r0 + 16·i: gate/up i < 8 from W1, i ≥ 8 the same features of W3.
-      const bf16* w_lo = a.wa[e];
-      const bf16* w_hi = kGlu ? a.wb[e] : w_lo;
-      for (int kt = 0; kt < KT; ++kt) {
-        ring.WaitFree();
-        unsigned char* sa = ring.Buffer();
-        bf16* ta = reinterpret_cast<bf16*>(sa);
-        bf16* tb = reinterpret_cast<bf16*>(sa + kABytes);
-        const int k = kt * kBK + c * 8;
-        const bool k_in = k < K;
-        CopyTokenRows(a, ta, src_row, r0, c, k);
+    if constexpr (kMx) {
+      MxCopier<kGlu>(a, ring, items, col_blocks, KT);
+    } else {
+      const int c = tid & 7, r0 = tid >> 3;  // 16-byte chunk c of rows r0 + 16·i
+      for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        const int2 t = a.tiles[item / col_blocks];
+        const int e = t.x, col0 = item % col_blocks * kCols;
+        int32_t src_row[kBM / 16];
+        TokenRows(a, t.y, a.offsets[e + 1], r0, src_row);
+        // B rows r0 + 16·i: gate/up i < 8 from W1, i ≥ 8 the same features of W3.
+        const bf16* w_lo = a.wa[e];
+        const bf16* w_hi = kGlu ? a.wb[e] : w_lo;
+        for (int kt = 0; kt < KT; ++kt) {
+          ring.WaitFree();
+          unsigned char* sa = ring.Buffer();
+          bf16* ta = reinterpret_cast<bf16*>(sa);
+          bf16* tb = reinterpret_cast<bf16*>(sa + kABytes);
+          const int k = kt * kBK + c * 8;
+          const bool k_in = k < K;
+          CopyTokenRows(a, ta, src_row, r0, c, k);
 #pragma unroll 4  // not 16: sixteen hoisted row pointers would spill the copiers' 72 registers
-        for (int i = 0; i < kBN / 16; ++i) {
-          const int n = r0 + 16 * i, f = col0 + (kGlu ? n & (kBN / 2 - 1) : n);
-          const bool ok = k_in && f < M;
-          // 32-bit offsets within one expert's matrix (< 2^31 elements): fewer registers for the copiers.
-          const bf16* w = kGlu && n >= kBN / 2 ? w_hi : w_lo;
-          ptx::CpAsync16(tb + wgmma::Swz(n, c), w + (ok ? f * K + k : 0), ok ? 16 : 0);
+          for (int i = 0; i < kBN / 16; ++i) {
+            const int n = r0 + 16 * i, f = col0 + (kGlu ? n & (kBN / 2 - 1) : n);
+            const bool ok = k_in && f < M;
+            // 32-bit offsets within one expert's matrix (< 2^31 elements): fewer registers for the copiers.
+            const bf16* w = kGlu && n >= kBN / 2 ? w_hi : w_lo;
+            ptx::CpAsync16(tb + wgmma::Swz(n, c), w + (ok ? f * K + k : 0), ok ? 16 : 0);
+          }
+          wgmma::CpAsyncArrive(ring.full + ring.stage);
+          ring.Advance();
         }
-        wgmma::CpAsyncArrive(ring.full + ring.stage);
-        ring.Advance();
       }
     }
     return;
-    }
   }
 
   // ------------------------------------------------------------------------------------------ MMA warpgroups
@@ -249,7 +248,8 @@ __global__ __launch_bounds__(wg::kThreads, 1) void ExpertWgmmaKernel(TileArgs a)
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * q + jj;
           float v0 = acc[4 * j + 2 * h8], v1 = acc[4 * j + 2 * h8 + 1];
-          float u0 = kGlu ? acc[4 * (j + kBN / 16) + 2 * h8] : 0.0f, u1 = kGlu ? acc[4 * (j + kBN / 16) + 2 * h8 + 1] : 0.0f;
+          float u0 = kGlu ? acc[4 * (j + kBN / 16) + 2 * h8] : 0.0f;
+          float u1 = kGlu ? acc[4 * (j + kBN / 16) + 2 * h8 + 1] : 0.0f;
           if (kMx) {  // the rows' 2^R (mxfp4_fragments.cuh)
             const int f = col0 + 8 * j + 2 * tig;
             if (f < M) {
