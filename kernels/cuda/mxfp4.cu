@@ -501,13 +501,14 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
   if (a.N == 0) return a.experts_hit ? cudaMemsetAsync(a.experts_hit, 0, sizeof(int32_t), stream) : cudaSuccess;
   if (!a.x || !a.idx || !a.w || !a.w1 || !a.s1 || !a.w3 || !a.s3 || !a.w2 || !a.s2 || (split ? !a.out_f32 : !a.out))
     return cudaErrorInvalidValue;
-  if (wgmma) {  // the grouped wgmma experts, their copiers dequantizing each stage on chip
-    MoeExpertsArgs m;
-    m.N = a.N, m.D = a.D, m.I = a.I, m.top_k = a.top_k, m.num_experts = E;
-    m.x = a.x, m.idx = a.idx, m.w = a.w;
+  // The grouped experts' arguments (the wgmma path's and the copy's), weights aside.
+  MoeExpertsArgs m;
+  m.N = a.N, m.D = a.D, m.I = a.I, m.top_k = a.top_k, m.num_experts = E;
+  m.x = a.x, m.x_lo = a.x_lo, m.idx = a.idx, m.w = a.w;
+  m.act = a.act, m.situ_beta = a.situ_beta, m.situ_linear_beta = a.situ_linear_beta;
+  m.out = a.out, m.out_f32 = a.out_f32, m.experts_hit = a.experts_hit;
+  if (wgmma) {  // the grouped wgmma experts, each stage's weights dequantized on chip
     m.q1 = a.w1, m.s1 = a.s1, m.q3 = a.w3, m.s3 = a.s3, m.q2 = a.w2, m.s2 = a.s2;
-    m.act = a.act, m.situ_beta = a.situ_beta, m.situ_linear_beta = a.situ_linear_beta;
-    m.out = a.out, m.experts_hit = a.experts_hit;
     return MoeExperts(m, MoeGemm::kWgmma, *b.moe, stream);
   }
   cudaError_t e = MoePermute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream);
@@ -519,11 +520,7 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
     if ((e = Dequantize(a.w1, a.s1, a.I, a.D, E, b.counts, w1, stream)) != cudaSuccess) return e;
     if ((e = Dequantize(a.w3, a.s3, a.I, a.D, E, b.counts, w3, stream)) != cudaSuccess) return e;
     if ((e = Dequantize(a.w2, a.s2, a.D, a.I, E, b.counts, w2, stream)) != cudaSuccess) return e;
-    MoeExpertsArgs m;
-    m.N = a.N, m.D = a.D, m.I = a.I, m.top_k = a.top_k, m.num_experts = E;
-    m.x = a.x, m.x_lo = a.x_lo, m.idx = a.idx, m.w = a.w, m.w1 = w1, m.w3 = w3, m.w2 = w2;
-    m.act = a.act, m.situ_beta = a.situ_beta, m.situ_linear_beta = a.situ_linear_beta;
-    m.out = a.out, m.out_f32 = a.out_f32, m.experts_hit = a.experts_hit;
+    m.w1 = w1, m.w3 = w3, m.w2 = w2;
     return MoeExperts(m, split ? MoeGemm::kTiled : MoeGemm::kAuto, *b.moe, stream);
   }
   PassListKernel<<<1, 1024, 0, stream>>>(static_cast<int>(E), b.counts, b.passes);
