@@ -5,8 +5,8 @@
 #
 # Copies the engine's sources (engine/, kernels/cpu/, tools/conformance.cc, tools/golden.*) into a temporary
 # folder and turns every `float` there into `double` (the libm float functions and float literals with it;
-# common/ is used as it is, so files are still read as fp32), builds k3serve-conformance from that copy with
-# g++, and dumps every golden prompt's prefill logits from it and from the fp32 build (DIR/bin, default
+# common/ is used as it is, so files are still read as fp32; K3_PLAIN_KERNELS leaves out the fp32 vector
+# kernels), builds k3serve-conformance from that copy with g++, and dumps every golden prompt's prefill logits from it and from the fp32 build (DIR/bin, default
 # build/). tools/fp64_compare.py prints golden, fp32 and fp64 against each other, judged by golden.json's
 # tolerance. Exit 1 if the fp32 engine is outside that tolerance of the fp64 logits on a prompt where the golden
 # is within it (precision lost in the engine), 2 on a usage or build error.
@@ -40,7 +40,7 @@ sed -i 's/cblas_sgemm/cblas_dgemm/g' "$WORK/kernels/cpu/gemm.cc"
 SOURCES=("$WORK"/tools/conformance.cc "$WORK"/tools/golden.cc "$SRC"/common/safetensors.cc)
 for f in "$WORK"/engine/*.cc "$WORK"/kernels/cpu/*.cc; do SOURCES+=("$f"); done
 # shellcheck disable=SC2046
-g++ -std=c++20 -O2 -I"$WORK" -I"$SRC" $(pkg-config --cflags openblas) "${SOURCES[@]}" -o "$WORK/conformance64" \
+g++ -std=c++20 -O2 -DK3_PLAIN_KERNELS -I"$WORK" -I"$SRC" $(pkg-config --cflags openblas) "${SOURCES[@]}" -o "$WORK/conformance64" \
   $(pkg-config --libs absl_flags absl_flags_parse absl_flags_usage absl_status absl_statusor absl_strings \
     absl_str_format openblas) -lpthread || { echo "fp64_check: the fp64 build failed" >&2; exit 2; }
 

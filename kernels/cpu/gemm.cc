@@ -2,6 +2,13 @@
 
 #include <cblas.h>
 
+#if defined(__x86_64__) && !defined(K3_PLAIN_KERNELS)
+#define K3_AVX2_KERNELS 1
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+
 namespace k3::cpu {
 
 void Linear(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, float beta) {
@@ -12,6 +19,109 @@ void Linear(int64_t M, int64_t N, int64_t K, const float* x, const float* W, flo
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
               1.0f, x, static_cast<int>(K), W, static_cast<int>(K), beta, y, static_cast<int>(N));
+}
+
+namespace {
+
+// One output's order of operations, shared by every block shape below and by the machines without AVX2: eight
+// partial sums over k ≡ j (mod 8), k < K8, with fused multiply-adds; their sum ((0+1)+(2+3))+((4+5)+(6+7)), the
+// order in which two rounds of horizontal adds reduce a vector; then the k ≥ K8 tail in order.
+inline float Tail(float s, const float* x, const float* w, int64_t K8, int64_t K) {
+  for (int64_t k = K8; k < K; ++k) s = std::fma(x[k], w[k], s);
+  return s;
+}
+
+inline void Store(float* y, float s, float beta) { *y = beta == 0.0f ? s : std::fma(beta, *y, s); }
+
+}  // namespace
+
+void LinearFewRowsPlain(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
+                        float beta) {
+  const int64_t K8 = K / 8 * 8;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float l[8] = {};
+      const float *xr = x + m * K, *wr = W + n * K;
+      for (int64_t k = 0; k < K8; k += 8)
+        for (int j = 0; j < 8; ++j) l[j] = std::fma(xr[k + j], wr[k + j], l[j]);
+      const float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+      Store(y + m * ldy + n, Tail(s, xr, wr, K8, K), beta);
+    }
+}
+
+#ifdef K3_AVX2_KERNELS
+namespace {
+
+// The sums of four accumulators, in the order above: [Σa, Σb, Σc, Σd].
+__attribute__((target("avx2,fma"))) inline __m128 Sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+__attribute__((target("avx2,fma"))) inline float Sum1(__m256 a) { return _mm_cvtss_f32(Sum4(a, a, a, a)); }
+
+// kN (4 or 1) rows of W against kM rows of x: kN·kM accumulators of 8 lanes.
+template <int kN, int kM>
+__attribute__((target("avx2,fma"))) inline void Block(int64_t K, const float* x, const float* W, float* y,
+                                                       int64_t ldy, float beta) {
+  const int64_t K8 = K / 8 * 8;
+  __m256 acc[kM][kN];
+  for (int j = 0; j < kM; ++j)
+    for (int i = 0; i < kN; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 w[kN];
+    for (int i = 0; i < kN; ++i) w[i] = _mm256_loadu_ps(W + i * K + k);
+    for (int j = 0; j < kM; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x + j * K + k);
+      for (int i = 0; i < kN; ++i) acc[j][i] = _mm256_fmadd_ps(xv, w[i], acc[j][i]);
+    }
+  }
+  for (int j = 0; j < kM; ++j) {
+    float* yj = y + j * ldy;
+    if constexpr (kN == 4) {
+      __m128 s = Sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+      if (K8 == K) {  // the common case: four outputs at once
+        if (beta != 0.0f) s = _mm_fmadd_ps(_mm_set1_ps(beta), _mm_loadu_ps(yj), s);
+        _mm_storeu_ps(yj, s);
+        continue;
+      }
+      float v[4];
+      _mm_storeu_ps(v, s);
+      for (int i = 0; i < 4; ++i) Store(yj + i, Tail(v[i], x + j * K, W + i * K, K8, K), beta);
+    } else {
+      Store(yj, Tail(Sum1(acc[j][0]), x + j * K, W, K8, K), beta);
+    }
+  }
+}
+
+// Four rows of W at a time, held in L1 while every pair of x rows passes over them.
+__attribute__((target("avx2,fma"))) void FewRowsAvx2(int64_t M, int64_t N, int64_t K, const float* x,
+                                                     const float* W, float* y, int64_t ldy, float beta) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) Block<4, 2>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+    if (m < M) Block<4, 1>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+  }
+  for (; n < N; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) Block<1, 2>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+    if (m < M) Block<1, 1>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+  }
+}
+
+const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+
+}  // namespace
+
+#endif  // K3_AVX2_KERNELS
+
+void LinearFewRows(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
+                   float beta) {
+  if (M == 0 || N == 0) return;
+#ifdef K3_AVX2_KERNELS
+  if (kAvx2) return FewRowsAvx2(M, N, K, x, W, y, ldy, beta);
+#endif
+  LinearFewRowsPlain(M, N, K, x, W, y, ldy, beta);
 }
 
 void LinearRef(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, float beta) {

@@ -10,6 +10,17 @@ void Linear(int64_t M, int64_t N, int64_t K, const float* x, const float* W, flo
 // Naive reference of Linear (double accumulation).
 void LinearRef(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, float beta = 0.0f);
 
+// Linear for few rows of x (the experts' tokens): W streamed once for every pair of rows and kept in cache for the
+// next, no packing. OpenBLAS's sgemm packs W on every call, which at the few rows a decode step gives an expert
+// costs several times the products themselves. Each output is summed over K in one fixed order, whatever M and the
+// rows beside it: a token's result does not depend on the batch it came in.
+// y's rows ldy apart.
+void LinearFewRows(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
+                   float beta = 0.0f);
+// The same sums, bit for bit, without AVX2: what LinearFewRows runs on machines that lack it.
+void LinearFewRowsPlain(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
+                        float beta = 0.0f);
+
 // General row-major C[M,N] = alpha·op(A)·op(B) + beta·C with explicit leading dimensions; for the
 // attention kernels that multiply strided views.
 void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
