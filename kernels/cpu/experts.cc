@@ -55,7 +55,7 @@ void GluMlp(int64_t M, int64_t D, int64_t I, const float* x, const float* W1, co
 
 void ExpertLinear(int64_t M, int64_t N, int64_t K, const float* x, const ExpertMatrix& W, float* y, float beta) {
   if (W.f32 != nullptr) {
-    LinearFewRows(M, N, K, x, W.f32, y, N, beta);
+    Linear(M, N, K, x, W.f32, y, beta);
   } else {
     LinearMxfp4(M, N, K, x, W.mxfp4, y, beta);
   }

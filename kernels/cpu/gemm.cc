@@ -7,19 +7,10 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 
 namespace k3::cpu {
-
-void Linear(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, float beta) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    for (int64_t i = 0; i < M * N; ++i) y[i] = beta == 0.0f ? 0.0f : y[i] * beta;
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
-              1.0f, x, static_cast<int>(K), W, static_cast<int>(K), beta, y, static_cast<int>(N));
-}
 
 namespace {
 
@@ -35,7 +26,7 @@ inline void Store(float* y, float s, float beta) { *y = beta == 0.0f ? s : std::
 
 }  // namespace
 
-void LinearFewRowsPlain(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
+void LinearPlain(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
                         float beta) {
   const int64_t K8 = K / 8 * 8;
   for (int64_t n = 0; n < N; ++n)
@@ -59,7 +50,7 @@ __attribute__((target("avx2,fma"))) inline __m128 Sum4(__m256 a, __m256 b, __m25
 }
 __attribute__((target("avx2,fma"))) inline float Sum1(__m256 a) { return _mm_cvtss_f32(Sum4(a, a, a, a)); }
 
-// kN (4 or 1) rows of W against kM rows of x: kN·kM accumulators of 8 lanes.
+// kN rows of W against kM rows of x: kN·kM accumulators of 8 lanes.
 template <int kN, int kM>
 __attribute__((target("avx2,fma"))) inline void Block(int64_t K, const float* x, const float* W, float* y,
                                                        int64_t ldy, float beta) {
@@ -77,35 +68,43 @@ __attribute__((target("avx2,fma"))) inline void Block(int64_t K, const float* x,
   }
   for (int j = 0; j < kM; ++j) {
     float* yj = y + j * ldy;
-    if constexpr (kN == 4) {
-      __m128 s = Sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-      if (K8 == K) {  // the common case: four outputs at once
-        if (beta != 0.0f) s = _mm_fmadd_ps(_mm_set1_ps(beta), _mm_loadu_ps(yj), s);
-        _mm_storeu_ps(yj, s);
-        continue;
-      }
-      float v[4];
-      _mm_storeu_ps(v, s);
-      for (int i = 0; i < 4; ++i) Store(yj + i, Tail(v[i], x + j * K, W + i * K, K8, K), beta);
-    } else {
-      Store(yj, Tail(Sum1(acc[j][0]), x + j * K, W, K8, K), beta);
+    const __m256* a = acc[j];
+    __m128 s = Sum4(a[0], a[kN > 1 ? 1 : 0], a[kN > 2 ? 2 : 0], a[kN > 3 ? 3 : 0]);
+    if (kN == 4 && K8 == K) {  // the common case: four outputs at once
+      if (beta != 0.0f) s = _mm_fmadd_ps(_mm_set1_ps(beta), _mm_loadu_ps(yj), s);
+      _mm_storeu_ps(yj, s);
+      continue;
     }
+    float v[4];
+    _mm_storeu_ps(v, s);
+    for (int i = 0; i < kN; ++i) Store(yj + i, Tail(v[i], x + j * K, W + i * K, K8, K), beta);
   }
 }
 
-// Four rows of W at a time, held in L1 while every pair of x rows passes over them.
-__attribute__((target("avx2,fma"))) void FewRowsAvx2(int64_t M, int64_t N, int64_t K, const float* x,
-                                                     const float* W, float* y, int64_t ldy, float beta) {
-  int64_t n = 0;
-  for (; n + 4 <= N; n += 4) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) Block<4, 2>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
-    if (m < M) Block<4, 1>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+// The rows of x from m0 to m1 against rows of W kN at a time (in L1 while the rows of x pass over them, kM at a
+// time); the last rows of W and of x in smaller blocks.
+template <int kN, int kM>
+__attribute__((target("avx2,fma"))) inline int64_t Rows(int64_t n, int64_t N, int64_t m0, int64_t m1, int64_t K,
+                                                         const float* x, const float* W, float* y, int64_t ldy,
+                                                         float beta) {
+  for (; n + kN <= N; n += kN) {
+    int64_t m = m0;
+    for (; m + kM <= m1; m += kM) Block<kN, kM>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+    for (; m < m1; ++m) Block<kN, 1>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
   }
-  for (; n < N; ++n) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) Block<1, 2>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
-    if (m < M) Block<1, 1>(K, x + m * K, W + n * K, y + m * ldy + n, ldy, beta);
+  return n;
+}
+
+// Chunks of x rows (~128 KB, in L2), W streaming once per chunk: three rows of W against four of x where there are
+// four (12 accumulators), four against two for two or three rows, and the last rows of W one at a time.
+__attribute__((target("avx2,fma"))) void LinearAvx2(int64_t M, int64_t N, int64_t K, const float* x,
+                                                     const float* W, float* y, int64_t ldy, float beta) {
+  const int64_t chunk = std::max<int64_t>(4, 32768 / std::max<int64_t>(K, 1) / 4 * 4);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m1 = std::min(M, m0 + chunk);
+    const int64_t n = m1 - m0 >= 4 ? Rows<3, 4>(0, N, m0, m1, K, x, W, y, ldy, beta)
+                                   : Rows<4, 2>(0, N, m0, m1, K, x, W, y, ldy, beta);
+    Rows<1, 2>(n, N, m0, m1, K, x, W, y, ldy, beta);
   }
 }
 
@@ -115,13 +114,17 @@ const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma
 
 #endif  // K3_AVX2_KERNELS
 
-void LinearFewRows(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
+void LinearStrided(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
                    float beta) {
   if (M == 0 || N == 0) return;
 #ifdef K3_AVX2_KERNELS
-  if (kAvx2) return FewRowsAvx2(M, N, K, x, W, y, ldy, beta);
+  if (kAvx2) return LinearAvx2(M, N, K, x, W, y, ldy, beta);
 #endif
-  LinearFewRowsPlain(M, N, K, x, W, y, ldy, beta);
+  LinearPlain(M, N, K, x, W, y, ldy, beta);
+}
+
+void Linear(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, float beta) {
+  LinearStrided(M, N, K, x, W, y, N, beta);
 }
 
 void LinearRef(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, float beta) {

@@ -88,13 +88,13 @@ void QuantizeMxfp4(const float* x, int64_t rows, int64_t cols, uint8_t* packed, 
 void LinearMxfp4(int64_t M, int64_t N, int64_t K, const float* x, const Mxfp4Matrix& W, float* y, float beta) {
   if (M == 0 || N == 0) return;
   // A panel of ~256 KB of fp32 weights: dequantized once, used by every row of x while in cache; the products as the
-  // fp32 experts' (LinearFewRows), so that an MXFP4 expert equals its dequantized fp32 copy bit for bit.
+  // fp32 experts' (Linear), so that an MXFP4 expert equals its dequantized fp32 copy bit for bit.
   const int64_t panel = std::clamp<int64_t>(65536 / std::max<int64_t>(K, 1), 8, 256);
   std::vector<float> w(std::min(panel, N) * K);
   for (int64_t n0 = 0; n0 < N; n0 += panel) {
     const int64_t nb = std::min(panel, N - n0);
     DequantizeMxfp4(W, K, n0, nb, w.data());
-    LinearFewRows(M, nb, K, x, w.data(), y + n0, N, beta);
+    LinearStrided(M, nb, K, x, w.data(), y + n0, N, beta);
   }
 }
 
