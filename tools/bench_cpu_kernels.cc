@@ -72,13 +72,14 @@ int main() {
     const int64_t M = 64, N = 1024, K = 1024;
     auto x = Random(M * K, 11), W = Random(N * K, 12);
     std::vector<float> y(M * N);
-    const double blas = BestMs([&] { Linear(M, N, K, x.data(), W.data(), y.data()); });
+    const double ours = BestMs([&] { Linear(M, N, K, x.data(), W.data(), y.data()); });
     const double naive = BestMs([&] { LinearRef(M, N, K, x.data(), W.data(), y.data()); }, 1);
     std::printf("GEMM %ldx%ldx%ld: Linear %.1f GFLOP/s, naive %.2f GFLOP/s\n", (long)M, (long)N, (long)K,
-                2e-6 * M * N * K / blas, 2e-6 * M * N * K / naive);
+                2e-6 * M * N * K / ours, 2e-6 * M * N * K / naive);
   }
   {  // An expert's products at the few rows a decode step gives it: weights of 16 experts cycled, as in a layer
-    std::printf("expert products x[M, K] · W[N, K]ᵀ, 16 experts' weights in turn: us a product (OpenBLAS sgemm / Linear)\n");
+    std::printf("expert products x[M, K] · W[N, K]ᵀ, 16 experts' weights in turn: "
+                "us a product (OpenBLAS sgemm / Linear)\n");
     for (auto [N, K] : {std::pair<int64_t, int64_t>{64, 128}, {256, 1024}, {1024, 256}, {4096, 1024}}) {
       std::vector<std::vector<float>> W;
       for (int e = 0; e < 16; ++e) W.push_back(Random(N * K, 20 + e));
@@ -88,12 +89,13 @@ int main() {
         std::vector<float> y(M * N);
         const int reps = M * N * K > (int64_t{1} << 26) ? 2 : 64;
         const double blas = BestMs([&] {
-          for (int r = 0; r < reps; ++r) Gemm(false, true, M, N, K, 1.0f, x.data(), K, W[r % 16].data(), K, 0.0f, y.data(), N);
+          for (int r = 0; r < reps; ++r)
+            Gemm(false, true, M, N, K, 1.0f, x.data(), K, W[r % 16].data(), K, 0.0f, y.data(), N);
         });
-        const double few = BestMs([&] {
+        const double ours = BestMs([&] {
           for (int r = 0; r < reps; ++r) Linear(M, N, K, x.data(), W[r % 16].data(), y.data());
         });
-        std::printf("  M %ld %.1f / %.1f", (long)M, 1e3 * blas / reps, 1e3 * few / reps);
+        std::printf("  M %ld %.1f / %.1f", (long)M, 1e3 * blas / reps, 1e3 * ours / reps);
       }
       std::printf("\n");
     }

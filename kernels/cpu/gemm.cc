@@ -27,7 +27,7 @@ inline void Store(float* y, float s, float beta) { *y = beta == 0.0f ? s : std::
 }  // namespace
 
 void LinearPlain(int64_t M, int64_t N, int64_t K, const float* x, const float* W, float* y, int64_t ldy,
-                        float beta) {
+                 float beta) {
   const int64_t K8 = K / 8 * 8;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) {
@@ -48,7 +48,6 @@ __attribute__((target("avx2,fma"))) inline __m128 Sum4(__m256 a, __m256 b, __m25
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
-__attribute__((target("avx2,fma"))) inline float Sum1(__m256 a) { return _mm_cvtss_f32(Sum4(a, a, a, a)); }
 
 // kN rows of W against kM rows of x: kN·kM accumulators of 8 lanes.
 template <int kN, int kM>
