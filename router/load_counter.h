@@ -78,7 +78,6 @@ class LoadCountingExecutor : public ExpertExecutor {
       r.w = rerouted.w.data();
       r.bias = rerouted.bias.data();
     }
-    std::vector<int32_t> h;
     cpu::QbHistParams hp;
     // The histogram needs k + 1 candidates per token; the range follows the layer's bias.
     const bool qb = qb_bins_ > 0 && r.logits != nullptr && r.rows > 0 &&
@@ -86,8 +85,6 @@ class LoadCountingExecutor : public ExpertExecutor {
     if (qb) {
       hp.bins = qb_bins_;
       QbRange(r.bias ? std::span<const float>(r.bias, config_.num_experts) : std::span<const float>(), &hp.rmin, &hp.rmax);
-      h.assign(qb_bins_ * config_.num_experts, 0);
-      cpu::QbHistogram(r.rows, r.logits, r.bias, rp, hp, h.data());
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -95,11 +92,13 @@ class LoadCountingExecutor : public ExpertExecutor {
       for (int64_t i = 0; i < r.rows * r.top_k; ++i)
         if (r.idx[i] >= 0) row[r.idx[i]]++;
       if (qb) {
+        // Straight into the layer's histogram: rows·E increments, not a zeroed [bins, E] copy a dispatch.
         QbHistogram& acc = hist_[r.layer];
         if (acc.bins != hp.bins || acc.rmin != hp.rmin || acc.rmax != hp.rmax) {
-          acc = {hp.bins, config_.num_experts, hp.rmin, hp.rmax, std::vector<int64_t>(h.size(), 0)};
+          acc = {hp.bins, config_.num_experts, hp.rmin, hp.rmax,
+                 std::vector<int64_t>(static_cast<size_t>(hp.bins * config_.num_experts), 0)};
         }
-        for (size_t i = 0; i < h.size(); ++i) acc.counts[i] += h[i];
+        cpu::QbHistogram(r.rows, r.logits, r.bias, rp, hp, acc.counts.data());
       }
     }
     auto ticket = inner_.Submit(r);

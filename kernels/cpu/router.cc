@@ -108,8 +108,9 @@ void RouteTopKRef(int64_t N, const float* logits, const float* bias, const Route
   }
 }
 
+template <class Count>
 void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
-                 int32_t* hist) {
+                 Count* hist) {
   const int64_t E = p.num_experts;
   const float scale = static_cast<float>(h.bins) / (h.rmax - h.rmin);
   std::vector<double> s, sb;
@@ -125,5 +126,8 @@ void QbHistogram(int64_t N, const float* logits, const float* bias, const Router
     }
   }
 }
+
+template void QbHistogram(int64_t, const float*, const float*, const RouterParams&, const QbHistParams&, int32_t*);
+template void QbHistogram(int64_t, const float*, const float*, const RouterParams&, const QbHistParams&, int64_t*);
 
 }  // namespace k3::cpu

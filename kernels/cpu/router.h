@@ -31,8 +31,10 @@ struct QbHistParams {
 // With s' as RouteTopKRef computes it (float(sigmoid in double) + bias): α_n = token n's (k+1)-th largest s'
 // among the experts of its kept groups (ranked as RouteTopKRef ranks them; k + 1 must not exceed them), and
 // for every expert e, r = α_n − s'_e (fp32) adds 1 to hist[b·E + e],
-// b = clamp(floor((r − rmin) · (bins / (rmax − rmin))), 0, bins − 1), all in fp32. hist [bins, E] accumulates.
+// b = clamp(floor((r − rmin) · (bins / (rmax − rmin))), 0, bins − 1), all in fp32. hist [bins, E] accumulates
+// (int32_t or int64_t counts): N·E increments, so a caller adds into its running histogram directly.
+template <class Count>
 void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
-                 int32_t* hist);
+                 Count* hist);
 
 }  // namespace k3::cpu
