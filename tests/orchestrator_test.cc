@@ -2,8 +2,11 @@
 // expert nodes, scales both pools under load, and restores a killed node.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -60,6 +63,43 @@ std::vector<testing::Prompt> EnginePrompts() {
 double Metric(int port, const std::string& name, const std::string& filter = "") {
   auto m = HttpGet("127.0.0.1", port, "/metrics");
   return m.ok() ? MetricValue(*m, name, filter) : -1;
+}
+
+// Whether a process has ended: gone, or a zombie nobody has reaped yet.
+bool Ended(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string pid_field, comm, state;
+  return !(stat >> pid_field >> comm >> state) || state == "Z";
+}
+
+// An owner killed with SIGKILL (it cannot stop its children) leaves none of them running: the
+// local backend's nodes end with the orchestrator, `k3serve up`'s with it.
+TEST(Process, EndsWhenItsOwnerIsKilled) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t owner = ::fork();
+  ASSERT_GE(owner, 0);
+  if (owner == 0) {
+    ::close(fds[0]);
+    const std::string log = ::testing::TempDir() + "/k3serve-sleeper-" + std::to_string(::getpid()) + ".log";
+    auto child = Process::Spawn("sleeper", {"/bin/sleep", "60"}, log);
+    const pid_t pid = child.ok() ? (*child)->pid() : -1;
+    (void)!::write(fds[1], &pid, sizeof(pid));
+    ::pause();
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  pid_t child = -1;
+  ASSERT_EQ(::read(fds[0], &child, sizeof(child)), static_cast<ssize_t>(sizeof(child)));
+  ::close(fds[0]);
+  ASSERT_GT(child, 0);
+  EXPECT_FALSE(Ended(child));
+  ::kill(owner, SIGKILL);
+  ::waitpid(owner, nullptr, 0);
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!Ended(child) && absl::Now() < end) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(Ended(child)) << "pid " << child << " outlived its owner";
+  if (!Ended(child)) ::kill(child, SIGKILL);
 }
 
 // Under 12 running streams for 60 s, experts 2 -> 3 -> 2 and attention 1 -> 2 -> 1 through the

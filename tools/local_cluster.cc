@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,12 +33,18 @@ absl::StatusOr<std::unique_ptr<Process>> Process::Spawn(const std::string& name,
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   if (pid == 0) {
     ::dup2(log, 1);
     ::dup2(log, 2);
     ::setpgid(0, 0);  // Ctrl-C in a terminal reaches the cluster through its owner, not directly
+    // An owner that dies without stopping its children (SIGKILL, a crash) still ends them, with
+    // the drain that SIGTERM starts. The signal follows the forking thread: owners spawn from
+    // threads that live as long as they do (main, the orchestrator's control loop).
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(1);  // the owner died before prctl
     ::execv(args[0], args.data());
     std::fprintf(stderr, "exec %s: %s\n", args[0], std::strerror(errno));
     ::_exit(127);
