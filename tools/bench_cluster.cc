@@ -83,18 +83,17 @@ double CpuSeconds(pid_t pid) {
   return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
-absl::StatusOr<Figures> InProcess(const BenchOptions& o) {
-  K3_ASSIGN_OR_RETURN(auto model, Model::Load(o.model));
-  LocalExpertExecutor experts(model->config(), model->weights());
+absl::StatusOr<Figures> InProcess(const BenchOptions& o, const Model& model) {
+  LocalExpertExecutor experts(model.config(), model.weights());
   EngineOptions eo;
   eo.max_running = o.streams;
   eo.max_batch_tokens = std::max<int64_t>(2048, static_cast<int64_t>(o.streams));
-  CpuBackend backend(*model, experts);
+  CpuBackend backend(model, experts);
   Engine engine(backend, eo);
   SamplingParams sp;
   sp.max_new_tokens = o.max_tokens;
   sp.ignore_eos = true;
-  const auto prompts = Prompts(o.streams, o.prompt_len, model->config().vocab_size);
+  const auto prompts = Prompts(o.streams, o.prompt_len, model.config().vocab_size);
   const auto start = Clock::now();
   for (int i = 0; i < o.streams; ++i) K3_RETURN_IF_ERROR(engine.Add(i, prompts[i], sp));
   std::vector<std::vector<Clock::time_point>> arrivals(o.streams);
@@ -240,7 +239,7 @@ Figures Median(const std::vector<Figures>& runs) {
   return m;
 }
 
-constexpr int kPairs = 7;  // direct and gateway runs per repeat
+constexpr int kPairs = 7;  // in-process, direct and gateway runs per repeat
 
 struct Range {
   double lo = 0, hi = 0;
@@ -257,8 +256,8 @@ struct Range {
 absl::Status RunClusterBench(const BenchOptions& o) {
   std::printf("bench: %d streams, prompt %d tokens, %d new tokens each, greedy; data plane %s; %d repeat(s)\n", o.streams,
               o.prompt_len, o.max_tokens, o.data_plane.c_str(), o.repeats);
-  std::printf("each repeat: one in-process run; %d direct and %d gateway runs, alternating (their rows: medians)\n", kPairs,
-              kPairs);
+  std::printf("each repeat: %d in-process, %d direct and %d gateway runs, interleaved (their rows: medians)\n", kPairs,
+              kPairs, kPairs);
   ClusterOptions co;
   co.bin_dir = o.bin_dir;
   co.model = o.model;
@@ -273,7 +272,8 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     co.attention_args.push_back("--load-interval=0.25");
   }
   K3_ASSIGN_OR_RETURN(auto cluster, LocalCluster::Start(co));
-  K3_ASSIGN_OR_RETURN(auto config, LoadModelConfig(o.model));
+  K3_ASSIGN_OR_RETURN(auto model, Model::Load(o.model));
+  const ModelConfig& config = model->config();
   if (o.skew) {
     K3_RETURN_IF_ERROR(SkewReport(o, *cluster, config.vocab_size));
   }
@@ -289,14 +289,16 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   };
   double direct_attention_cpu = 0, gw_attention_cpu = 0, gateway_cpu = 0;
   for (int rep = 0; rep < std::max(1, o.repeats); ++rep) {
-    // Alternating, so that the machine's load changes hit both alike.
-    K3_ASSIGN_OR_RETURN(Figures local, InProcess(o));
+    // One run lasts a fraction of a second, which the machine's other load moves by tens of percent:
+    // each round runs the in-process engine, then direct and through the gateway, that pair's order
+    // the previous one's reversed, so load changes hit all three alike. Each row below is the median
+    // over the rounds. The in-process engine idles the cluster, so the dispatch metrics (read
+    // around the whole repeat) are the cluster runs'.
     K3_ASSIGN_OR_RETURN(DispatchMetrics before, ReadDispatchMetrics(*cluster));
-    // Direct and through the gateway in pairs, each pair's order the previous one's reversed: one
-    // run lasts a fraction of a second, which the machine's other load moves by tens of percent.
-    // Each row below is the median over the pairs.
-    std::vector<Figures> direct_runs, gateway_runs;
+    std::vector<Figures> local_runs, direct_runs, gateway_runs;
     for (int pair = 0; pair < kPairs; ++pair) {
+      K3_ASSIGN_OR_RETURN(Figures l, InProcess(o, *model));
+      local_runs.push_back(l);
       for (int k = 0; k < 2; ++k) {
         const bool via_gateway = (k == 0) == (pair % 2 == 1);
         const double a0 = attention_cpu(), g0 = CpuSeconds(cluster->gateway().pid());
@@ -307,7 +309,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
       }
     }
     K3_ASSIGN_OR_RETURN(DispatchMetrics after, ReadDispatchMetrics(*cluster));
-    const Figures remote = Median(direct_runs), gateway = Median(gateway_runs);
+    const Figures local = Median(local_runs), remote = Median(direct_runs), gateway = Median(gateway_runs);
     // A pair's two runs see the same machine: their ratio is steadier than the medians'.
     std::vector<double> pair_tok, pair_itl;
     for (int pair = 0; pair < kPairs; ++pair) {
