@@ -18,8 +18,12 @@ void TokenStream::Push(StepOutput o) {
   outputs_.push_back(std::move(o));
 }
 
-EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step)
-    : engine_(backend, options), max_context_(engine_.max_context()), on_step_(std::move(on_step)) {
+EngineLoop::EngineLoop(Backend& backend, EngineOptions options, OnStep on_step, absl::Duration admission_window)
+    : engine_(backend, options),
+      max_context_(engine_.max_context()),
+      max_running_(options.max_running),
+      admission_window_(admission_window),
+      on_step_(std::move(on_step)) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -73,6 +77,10 @@ void EngineLoop::Run() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return !commands_.empty() || engine_.HasWork() || stopping_; });
       if (stopping_ && commands_.empty() && !engine_.HasWork()) return;
+      if (!engine_.HasWork() && admission_window_ > absl::ZeroDuration()) {
+        const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(admission_window_);
+        cv_.wait_until(lock, until, [&] { return stopping_ || static_cast<int64_t>(commands_.size()) >= max_running_; });
+      }
       cmds.swap(commands_);
     }
     // The bells of the streams pushed to in this iteration, rung once at its end.

@@ -49,7 +49,11 @@ class EngineLoop {
   // time (zero when the iteration only took commands).
   using OnStep = std::function<void(const EngineStats&, absl::Duration step)>;
 
-  EngineLoop(Backend& backend, EngineOptions options, OnStep on_step);
+  // admission_window: when requests arrive at an idle engine, how long it waits for more of them
+  // (until max_running are queued) before its first step, so that a burst's prompts are prefilled
+  // together instead of the first one alone while the rest wait a whole prefill step.
+  EngineLoop(Backend& backend, EngineOptions options, OnStep on_step,
+             absl::Duration admission_window = absl::ZeroDuration());
   ~EngineLoop();
 
   // Queues a request without waiting for the engine: the validation error, if any
@@ -78,6 +82,8 @@ class EngineLoop {
 
   Engine engine_;
   const int64_t max_context_;
+  const int64_t max_running_;
+  const absl::Duration admission_window_;
   OnStep on_step_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -41,6 +41,9 @@ ABSL_FLAG(int, metrics_port, 9151, "Prometheus /metrics port (0: pick one, -1: o
 ABSL_FLAG(std::string, node_id, "", "unique node id (default: attention-<host>-<pid>)");
 ABSL_FLAG(int64_t, max_batch_tokens, 2048, "tokens per engine step (decode tokens + prefill chunks)");
 ABSL_FLAG(int64_t, max_running, 64, "sequences holding state at once");
+ABSL_FLAG(int64_t, admission_window_us, 0,
+          "an idle engine waits this long (or until max_running requests are queued) for more requests before its "
+          "first step, so that a burst is prefilled together; 0: step at once");
 ABSL_FLAG(int64_t, max_waiting, 256, "queued requests beyond which Generate answers RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_context, 0, "prompt + generated tokens per request (0: the model's model_max_length)");
 ABSL_FLAG(int32_t, max_tokens_limit, 4096, "largest max_tokens a request may ask for");
@@ -370,6 +373,9 @@ int main(int argc, char** argv) {
   };
   k3::router::Dispatcher dispatcher(config, *transport, dopt);
   if (absl::GetFlag(FLAGS_qb_bins) < 0) return Fail("--qb-bins", absl::InvalidArgumentError("--qb-bins must be >= 0"));
+  if (const int64_t w = absl::GetFlag(FLAGS_admission_window_us); w < 0 || w > 1000000)
+    return Fail("--admission-window-us",
+                absl::InvalidArgumentError(absl::StrCat("--admission-window-us must be in [0, 1000000], got ", w)));
   k3::router::LoadCountingExecutor counted(dispatcher, config, absl::GetFlag(FLAGS_qb_bins));
   routing = &counted;
   WaitTimingExecutor timed(counted);
@@ -426,7 +432,7 @@ int main(int argc, char** argv) {
       ++steps;
       step_nanos += absl::ToInt64Nanoseconds(took);
     }
-  });
+  }, absl::Microseconds(absl::GetFlag(FLAGS_admission_window_us)));
   experts_ready = &dispatcher;
   service.Attach(config, loop);
   std::fprintf(stderr, "k3serve-attention %s: serving %s on gRPC port %d, metrics port %d\n", node_id.c_str(),

@@ -263,7 +263,10 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   co.model = o.model;
   co.attention = o.attention;
   co.experts = o.experts;
-  co.attention_args = {absl::StrCat("--max-running=", o.streams),
+  // The in-process engine is given all its prompts before its first step; the nodes wait 5 ms for
+  // a burst's requests (each client opens its own channel), or the first one is prefilled alone
+  // and the rest a step later.
+  co.attention_args = {absl::StrCat("--max-running=", o.streams), "--admission-window-us=5000",
                        absl::StrCat("--ping-pong-adaptive=", o.ping_pong_adaptive ? "true" : "false")};
   co.expert_args = {"--data-plane=" + o.data_plane};
   co.gateway = true;
