@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -108,26 +109,77 @@ void RouteTopKRef(int64_t N, const float* logits, const float* bias, const Route
   }
 }
 
+namespace {
+
+// Token n's r = α − s'_e into its bin, for every expert.
+template <class Count>
+void AddToBins(int64_t E, float alpha, const double* sb, const QbHistParams& h, Count* hist) {
+  const float scale = static_cast<float>(h.bins) / (h.rmax - h.rmin);
+  for (int64_t e = 0; e < E; ++e) {
+    const float r = alpha - static_cast<float>(sb[e]);
+    const float pos = (r - h.rmin) * scale;
+    const int64_t b = pos < 0.0f ? 0 : (pos >= static_cast<float>(h.bins) ? h.bins - 1 : static_cast<int64_t>(pos));
+    hist[b * E + e]++;
+  }
+}
+
+}  // namespace
+
+// α is a value: the (k+1)-th largest s' of the kept experts is the same whatever order ties take, so a
+// selection gives RankRef's without its sorts. s' and the group scores are computed as RankRef does.
 template <class Count>
 void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
                  Count* hist) {
-  const int64_t E = p.num_experts;
-  const float scale = static_cast<float>(h.bins) / (h.rmax - h.rmin);
-  std::vector<double> s, sb;
-  std::vector<int64_t> cand;
+  const int64_t E = p.num_experts, G = p.num_groups, per_group = E / G;
+  std::vector<double> sb(E), gscore(G), cand;
+  std::vector<int64_t> gorder(G);
+  std::vector<char> kept(G);
   for (int64_t n = 0; n < N; ++n) {
-    RankRef(logits + n * E, bias, p, s, sb, cand);
-    const float alpha = static_cast<float>(sb[cand[p.top_k]]);
+    const float* l = logits + n * E;
     for (int64_t e = 0; e < E; ++e) {
-      const float r = alpha - static_cast<float>(sb[e]);
-      const float pos = (r - h.rmin) * scale;
-      const int64_t b = pos < 0.0f ? 0 : (pos >= static_cast<float>(h.bins) ? h.bins - 1 : static_cast<int64_t>(pos));
-      hist[b * E + e]++;
+      const double s = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
+      sb[e] = static_cast<float>(static_cast<float>(s) + (bias ? bias[e] : 0.0f));
     }
+    std::fill(kept.begin(), kept.end(), 1);
+    if (G > 1 && p.topk_groups < G) {
+      for (int64_t g = 0; g < G; ++g) {
+        double b1 = -std::numeric_limits<double>::infinity(), b2 = b1;
+        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+          if (sb[e] > b1) {
+            b2 = b1;
+            b1 = sb[e];
+          } else if (sb[e] > b2) {
+            b2 = sb[e];
+          }
+        }
+        gscore[g] = b1 + (per_group > 1 ? b2 : 0.0);
+      }
+      std::iota(gorder.begin(), gorder.end(), 0);
+      std::partial_sort(gorder.begin(), gorder.begin() + p.topk_groups, gorder.end(), [&](int64_t a, int64_t b) {
+        return gscore[a] > gscore[b] || (gscore[a] == gscore[b] && a < b);
+      });
+      std::fill(kept.begin(), kept.end(), 0);
+      for (int64_t i = 0; i < p.topk_groups; ++i) kept[gorder[i]] = 1;
+    }
+    cand.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (kept[e / per_group]) cand.push_back(sb[e]);
+    std::nth_element(cand.begin(), cand.begin() + p.top_k, cand.end(), std::greater<double>());
+    AddToBins(E, static_cast<float>(cand[p.top_k]), sb.data(), h, hist);
   }
 }
 
 template void QbHistogram(int64_t, const float*, const float*, const RouterParams&, const QbHistParams&, int32_t*);
 template void QbHistogram(int64_t, const float*, const float*, const RouterParams&, const QbHistParams&, int64_t*);
+
+void QbHistogramRef(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
+                    int32_t* hist) {
+  std::vector<double> s, sb;
+  std::vector<int64_t> cand;
+  for (int64_t n = 0; n < N; ++n) {
+    RankRef(logits + n * p.num_experts, bias, p, s, sb, cand);
+    AddToBins(p.num_experts, static_cast<float>(sb[cand[p.top_k]]), sb.data(), h, hist);
+  }
+}
 
 }  // namespace k3::cpu

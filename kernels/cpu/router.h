@@ -36,5 +36,8 @@ struct QbHistParams {
 template <class Count>
 void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
                  Count* hist);
+// Reference: α from RouteTopKRef's full ranking.
+void QbHistogramRef(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
+                    int32_t* hist);
 
 }  // namespace k3::cpu

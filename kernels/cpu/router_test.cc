@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "tests/testing.h"
 
 namespace k3::cpu {
@@ -85,6 +88,30 @@ TEST(QbHistogram, EveryExpertCountsEveryToken) {
     for (int64_t b = 0; b < bins; ++b) total += hist[b * p.num_experts + e];
     EXPECT_EQ(total, N);
   }
+}
+
+TEST(QbHistogram, MatchesReference) {
+  // {E, k, groups, kept groups}: plain, group-limited (Kimi's 8 of 3), every group kept, k + 1 = the kept experts.
+  const RouterParams shapes[] = {{16, 4, 1, 1, true, 1.0f}, {64, 6, 8, 3, true, 1.0f}, {64, 6, 8, 8, true, 1.0f},
+                                 {12, 5, 4, 2, false, 1.0f}, {384, 8, 1, 1, true, 2.5f}};
+  int seed = 20;
+  for (const RouterParams& p : shapes)
+    for (int64_t N : {0, 1, 7, 33}) {
+      for (bool ties : {false, true}) {
+        auto logits = Random(N * p.num_experts, ++seed, 3.0f), bias = Random(p.num_experts, ++seed, 0.2f);
+        if (ties)  // a few values only: equal s' within and across groups
+          for (float& v : logits) v = std::round(v);
+        const int64_t bins = 37;
+        const QbHistParams h{bins, -1.2f, 1.2f};
+        std::vector<int32_t> want(bins * p.num_experts, 0), got(want.size(), 0);
+        std::vector<int64_t> got64(want.size(), 0);
+        QbHistogramRef(N, logits.data(), bias.data(), p, h, want.data());
+        QbHistogram(N, logits.data(), bias.data(), p, h, got.data());
+        QbHistogram(N, logits.data(), bias.data(), p, h, got64.data());
+        EXPECT_EQ(got, want) << "E " << p.num_experts << " G " << p.num_groups << " N " << N << " ties " << ties;
+        EXPECT_TRUE(std::equal(got64.begin(), got64.end(), want.begin())) << "int64 counts, N " << N;
+      }
+    }
 }
 
 }  // namespace
