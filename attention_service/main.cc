@@ -348,16 +348,20 @@ int main(int argc, char** argv) {
   std::atomic<Reporter*> reporter{nullptr};
   auto* dispatch_stages = k3::metrics::Must(registry.AddHistogram(
       "k3serve_dispatch_stage_seconds",
-      "One MoE dispatch part by stage: pack, out, window, compute, back, unpack (out and back on one host only).",
-      k3::metrics::ExponentialBuckets(1e-6, 2, 24), {"stage"}));
-  k3::metrics::Histogram* stage_h[] = {&dispatch_stages->WithLabels({"pack"}), &dispatch_stages->WithLabels({"out"}),
-                                       &dispatch_stages->WithLabels({"window"}), &dispatch_stages->WithLabels({"compute"}),
-                                       &dispatch_stages->WithLabels({"back"}), &dispatch_stages->WithLabels({"unpack"})};
+      "One MoE dispatch part by stage: pack, out, window, compute, back, unpack (out and back on one host only); "
+      "phase: decode (every row a sequence's one new token) or prefill (any prompt rows).",
+      k3::metrics::ExponentialBuckets(1e-6, 2, 24), {"stage", "phase"}));
+  k3::metrics::Histogram* stage_h[2][6];  // [decode][stage]
+  for (int phase = 0; phase < 2; ++phase) {
+    const char* stage_names[6] = {"pack", "out", "window", "compute", "back", "unpack"};
+    for (int i = 0; i < 6; ++i)
+      stage_h[phase][i] = &dispatch_stages->WithLabels({stage_names[i], phase ? "decode" : "prefill"});
+  }
   k3::router::DispatcherOptions dopt;
   dopt.dtype = *wire_dtype;
   dopt.on_stages = [&](const std::string&, const k3::router::DispatchStages& st) {
     const absl::Duration d[] = {st.pack, st.out, st.window, st.compute, st.back, st.unpack};
-    for (int i = 0; i < 6; ++i) stage_h[i]->Observe(std::max(0.0, absl::ToDoubleSeconds(d[i])));
+    for (int i = 0; i < 6; ++i) stage_h[st.decode][i]->Observe(std::max(0.0, absl::ToDoubleSeconds(d[i])));
   };
   dopt.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_dispatch_timeout_ms));
   dopt.node_token = k3::auth::NodeToken();

@@ -26,6 +26,7 @@ struct ExpertRequest {
   // during Submit only. Null where the caller does not provide them.
   const float* logits = nullptr;
   const float* bias = nullptr;
+  bool decode = false;  // every row is one sequence's single new token (not prefill): for the stage metrics
 };
 
 class ExpertExecutor {

@@ -263,6 +263,7 @@ void ForwardPass::MoeFront(int64_t l) {
   }
   moe_out_.assign(N * c_.expert_width(), 0.0f);
   request_ = ExpertRequest{l, N, c_.expert_width(), k, rows, idx_.data(), wt_.data(), router_logits_.data(), w.bias};
+  request_.decode = N == static_cast<int64_t>(chunks_.size());
 }
 
 void ForwardPass::MoeBack(int64_t l) {

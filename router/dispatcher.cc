@@ -308,7 +308,8 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
                                            .window = absl::Nanoseconds(t.queued_ns),
                                            .compute = absl::Nanoseconds(t.compute_ns),
                                            .back = absl::Nanoseconds(part.arrived_ns - replied),
-                                           .unpack = absl::Nanoseconds(part.decode_ns + sum_ns)});
+                                           .unpack = absl::Nanoseconds(part.decode_ns + sum_ns),
+                                           .decode = p.request.decode});
       }
     }
   }

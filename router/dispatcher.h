@@ -28,6 +28,7 @@ struct DispatchStages {
   absl::Duration compute;  // the expert batch up to this reply's send
   absl::Duration back;     // reply send to arrival here
   absl::Duration unpack;   // decoding the reply and summing the partials
+  bool decode = false;     // the request's rows were all decode tokens (ExpertRequest::decode)
 };
 
 struct DispatcherOptions {

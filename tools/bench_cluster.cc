@@ -109,6 +109,7 @@ absl::StatusOr<Figures> InProcess(const BenchOptions& o, const Model& model) {
 struct DispatchMetrics {
   double rt_sum = 0, rt_count = 0, batch_sum = 0, batch_count = 0;
   double stage_sum[6] = {}, stage_count = 0;
+  double decode_stage_sum[6] = {}, decode_stage_count = 0;  // dispatches of decode rows only
   std::map<double, double> stage_buckets[6];  // cumulative count by upper bound (seconds)
 };
 
@@ -139,6 +140,19 @@ double MedianBound(const std::map<double, double>& before, const std::map<double
 }
 constexpr const char* kStages[6] = {"pack", "out", "window", "compute", "back", "unpack"};
 
+// A stage histogram's series of one phase (the label order in the exposition is the library's).
+double PhaseValue(const std::string& exposition, const std::string& name, const std::string& stage,
+                  const std::string& phase) {
+  std::istringstream in(exposition);
+  std::string line;
+  double sum = 0;
+  const std::string s = absl::StrCat("stage=\"", stage, "\""), p = absl::StrCat("phase=\"", phase, "\"");
+  while (std::getline(in, line))
+    if (line.starts_with(name + "{") && line.find(s) != std::string::npos && line.find(p) != std::string::npos)
+      sum += std::stod(line.substr(line.rfind(' ') + 1));
+  return sum;
+}
+
 absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster) {
   DispatchMetrics d;
   for (int port : cluster.attention_metrics_ports()) {
@@ -151,6 +165,9 @@ absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster)
       AddBuckets(m, "k3serve_dispatch_stage_seconds_bucket", label, d.stage_buckets[i]);
     }
     d.stage_count += MetricValue(m, "k3serve_dispatch_stage_seconds_count", "stage=\"pack\"");
+    for (int i = 0; i < 6; ++i)
+      d.decode_stage_sum[i] += PhaseValue(m, "k3serve_dispatch_stage_seconds_sum", kStages[i], "decode");
+    d.decode_stage_count += PhaseValue(m, "k3serve_dispatch_stage_seconds_count", "pack", "decode");
   }
   for (int port : cluster.expert_metrics_ports()) {
     K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));
@@ -282,7 +299,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   }
   const std::string remote_name = absl::StrCat("disaggregated ", o.attention, "A+", o.experts, "E");
 
-  Range ratio, overhead, local_tok, remote_tok, gw_tok, gw_itl;
+  Range ratio, overhead, decode_overhead, local_tok, remote_tok, gw_tok, gw_itl;
   std::vector<double> all_pair_tok, all_pair_itl;  // gateway / direct of every pair
   // CPU of the attention nodes and of the gateway, per phase: where forwarding costs.
   auto attention_cpu = [&] {
@@ -325,11 +342,15 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     all_pair_itl.insert(all_pair_itl.end(), pair_itl.begin(), pair_itl.end());
     const double rt_n = after.rt_count - before.rt_count, batch_n = after.batch_count - before.batch_count;
     const double stage_n = after.stage_count - before.stage_count;
+    const double decode_n = after.decode_stage_count - before.decode_stage_count;
     const double rt_us = rt_n > 0 ? 1e6 * (after.rt_sum - before.rt_sum) / rt_n : 0.0;
     const double batch_us = batch_n > 0 ? 1e6 * (after.batch_sum - before.batch_sum) / batch_n : 0.0;
-    double stage_us[6] = {};
-    for (int i = 0; i < 6; ++i)
+    double stage_us[6] = {}, decode_us[6] = {}, decode_total = 0;
+    for (int i = 0; i < 6; ++i) {
       stage_us[i] = stage_n > 0 ? 1e6 * (after.stage_sum[i] - before.stage_sum[i]) / stage_n : 0.0;
+      decode_us[i] = decode_n > 0 ? 1e6 * (after.decode_stage_sum[i] - before.decode_stage_sum[i]) / decode_n : 0.0;
+      decode_total += decode_us[i];
+    }
     const double r = local.decode_tok_s > 0 ? remote.decode_tok_s / local.decode_tok_s : 0.0;
 
     std::printf("\n%s%-22s %14s %12s %12s %12s\n", o.repeats > 1 ? absl::StrCat("[", rep + 1, "] ").c_str() : "", "",
@@ -353,12 +374,17 @@ absl::Status RunClusterBench(const BenchOptions& o) {
     }
     std::printf("\n  = %.1f us, of which expert compute %.1f: overhead (round trip minus expert compute) %.1f us\n", total,
                 stage_us[3], total - stage_us[3]);
+    std::printf("  decode dispatches only (%.0f of %.0f), mean us:", decode_n, stage_n);
+    for (int i = 0; i < 6; ++i) std::printf(" %s %.1f%s", kStages[i], decode_us[i], i < 5 ? " |" : "");
+    std::printf("\n  = %.1f us, of which expert compute %.1f: overhead %.1f us\n", decode_total, decode_us[3],
+                decode_total - decode_us[3]);
     std::printf("  medians, at most (histogram bucket bounds, us):");
     for (int i = 0; i < 6; ++i)
       std::printf(" %s %.0f%s", kStages[i], 1e6 * MedianBound(before.stage_buckets[i], after.stage_buckets[i]),
                   i < 5 ? " |" : "\n");
     ratio.Add(r);
     overhead.Add(total - stage_us[3]);
+    decode_overhead.Add(decode_total - decode_us[3]);
     local_tok.Add(local.decode_tok_s);
     remote_tok.Add(remote.decode_tok_s);
     gw_tok.Add(Percentile(pair_tok, 0.5));
@@ -371,9 +397,9 @@ absl::Status RunClusterBench(const BenchOptions& o) {
               1e6 * direct_attention_cpu / tokens, 1e6 * gw_attention_cpu / tokens, 1e6 * gateway_cpu / tokens);
   if (o.repeats > 1) {
     std::printf("\nover %d repeats (min - max): in-process %.1f - %.1f tok/s, %s %.1f - %.1f tok/s, ratio %.3f - %.3f, "
-                "overhead %.1f - %.1f us\n",
+                "overhead %.1f - %.1f us (decode dispatches %.1f - %.1f us)\n",
                 ratio.n, local_tok.lo, local_tok.hi, remote_name.c_str(), remote_tok.lo, remote_tok.hi, ratio.lo, ratio.hi,
-                overhead.lo, overhead.hi);
+                overhead.lo, overhead.hi, decode_overhead.lo, decode_overhead.hi);
     std::printf("gateway / direct, each repeat's median (min - max): decode tok/s %.3f - %.3f, ITL p50 %.3f - %.3f; "
                 "median of all %zu pairs: %.3f, ITL p50 %.3f\n",
                 gw_tok.lo, gw_tok.hi, gw_itl.lo, gw_itl.hi, all_pair_tok.size(), Percentile(all_pair_tok, 0.5),

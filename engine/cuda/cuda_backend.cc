@@ -59,7 +59,9 @@ absl::Status HostExpertBridge::Run(const CudaExpertRequest& r, float* out, cudaS
   K3_CUDA_OK(cudaMemcpyAsync(w_, r.w, nk * sizeof(float), cudaMemcpyDeviceToHost, stream));
   K3_CUDA_OK(cudaStreamSynchronize(stream));
   for (int64_t i = 0; i < n; ++i) x_[i] = Bf16ToFloat(hi_[i]) + (r.x.lo != 0 ? Bf16ToFloat(lo_[i]) : 0.0f);
-  K3_ASSIGN_OR_RETURN(uint64_t ticket, host_.Submit({r.layer, r.rows, r.width, r.top_k, x_.data(), idx_, w_}));
+  ExpertRequest host{r.layer, r.rows, r.width, r.top_k, x_.data(), idx_, w_};
+  host.decode = r.decode;
+  K3_ASSIGN_OR_RETURN(uint64_t ticket, host_.Submit(host));
   K3_RETURN_IF_ERROR(host_.Wait(ticket, sums_));
   K3_CUDA_OK(cudaMemcpyAsync(out, sums_, n * sizeof(float), cudaMemcpyHostToDevice, stream));
   // sums_ is reused by the next call: the copy must be done before we return.

@@ -270,7 +270,7 @@ struct CudaModel::Impl {
                    const std::vector<int64_t>& pre_len, const std::vector<int64_t>& pre_pos,
                    const std::vector<int32_t>& pre_slot, const int32_t* const* m);
   absl::Status MlaOut(const MlaW& w, int64_t N, Split o);
-  absl::Status Moe(int64_t l, int64_t N);
+  absl::Status Moe(int64_t l, int64_t N, bool decode);
   // x = the tokens' embeddings, and (without Block AttnRes) the first layer's input norm `a` of it: both before a
   // decode graph's replay rather than in it — the graph's second kernel starts ≈ 9 µs after its first, which a
   // norm of 2–4 µs would leave idle and the first layer's input product (18 µs) covers.
@@ -1013,7 +1013,7 @@ absl::Status CudaModel::Impl::MlaOut(const MlaW& w, int64_t N, Split o) {
   return AddProduct(w.o, d, ov, o, N);
 }
 
-absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
+absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N, bool decode) {
   const MoeW& w = layers[l].moe;
   const int64_t d = c.hidden_size, E = c.num_experts, k = c.top_k, X = c.expert_width();
   if (experts == &local_experts && !opt.routed_experts)
@@ -1053,7 +1053,7 @@ absl::Status CudaModel::Impl::Moe(int64_t l, int64_t N) {
   }
   // The routed experts, wherever they are.
   phase.emplace(*this, "moe.experts");
-  K3_RETURN_IF_ERROR(experts->Run(CudaExpertRequest{l, N, X, k, rows, idx, wts}, moe_out, stream));
+  K3_RETURN_IF_ERROR(experts->Run(CudaExpertRequest{l, N, X, k, rows, idx, wts, decode}, moe_out, stream));
   // Back: latent norm + up-projection (or the plain sum), shared experts.
   phase.emplace(*this, "moe.back");
   if (w.latent_up) {
@@ -1227,7 +1227,7 @@ absl::Status CudaModel::Impl::Run(std::span<const GpuChunk> chunks, bool keep_lo
         K3_RETURN_IF_ERROR(GluUp(w.dense, m, N, On::kMain));
         K3_RETURN_IF_ERROR(AddProduct(w.dense.down, d, w.dense.I, hid, N));
       } else {
-        K3_RETURN_IF_ERROR(Moe(l, N));
+        K3_RETURN_IF_ERROR(Moe(l, N, nd == N));
       }
     }
     Phase head(*this, "lm_head");

@@ -56,6 +56,7 @@ struct CudaExpertRequest {
   Split x;                        // [rows, width]
   const int32_t* idx = nullptr;   // [rows, top_k]; −1: not routed
   const float* w = nullptr;       // [rows, top_k]
+  bool decode = false;            // every row a sequence's one new token (ExpertRequest::decode)
 };
 
 class CudaExpertExecutor {
