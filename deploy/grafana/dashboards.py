@@ -121,6 +121,11 @@ def overview():
             [(quantile(0.99, "k3serve_dispatch_seconds", "node"), "{{node}}")], unit="s")
     b.panel("Data-plane bytes", "Bytes sent to and received from the expert nodes.",
             [(f"sum by (direction) (rate(k3serve_dispatch_bytes_total[{RI}]))", "{{direction}}")], unit="Bps")
+    b.panel("Dispatch stages (decode, mean)",
+            "A decode dispatch part's round trip by stage: pack, out, window, compute, back, unpack (out and back "
+            "on one host only).",
+            [(f'sum by (stage) (rate(k3serve_dispatch_stage_seconds_sum{{phase="decode"}}[{RI}])) / sum by (stage) '
+              f'(rate(k3serve_dispatch_stage_seconds_count{{phase="decode"}}[{RI}]))', "{{stage}}")], unit="s")
 
     b.row("Experts")
     b.panel("Rows per second per node", "Token rows each expert node processed.",
