@@ -352,8 +352,8 @@ int main(int argc, char** argv) {
       "phase: decode (every row a sequence's one new token) or prefill (any prompt rows).",
       k3::metrics::ExponentialBuckets(1e-6, 2, 24), {"stage", "phase"}));
   k3::metrics::Histogram* stage_h[2][6];  // [decode][stage]
+  const char* stage_names[6] = {"pack", "out", "window", "compute", "back", "unpack"};
   for (int phase = 0; phase < 2; ++phase) {
-    const char* stage_names[6] = {"pack", "out", "window", "compute", "back", "unpack"};
     for (int i = 0; i < 6; ++i)
       stage_h[phase][i] = &dispatch_stages->WithLabels({stage_names[i], phase ? "decode" : "prefill"});
   }

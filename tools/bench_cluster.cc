@@ -140,19 +140,6 @@ double MedianBound(const std::map<double, double>& before, const std::map<double
 }
 constexpr const char* kStages[6] = {"pack", "out", "window", "compute", "back", "unpack"};
 
-// A stage histogram's series of one phase (the label order in the exposition is the library's).
-double PhaseValue(const std::string& exposition, const std::string& name, const std::string& stage,
-                  const std::string& phase) {
-  std::istringstream in(exposition);
-  std::string line;
-  double sum = 0;
-  const std::string s = absl::StrCat("stage=\"", stage, "\""), p = absl::StrCat("phase=\"", phase, "\"");
-  while (std::getline(in, line))
-    if (line.starts_with(name + "{") && line.find(s) != std::string::npos && line.find(p) != std::string::npos)
-      sum += std::stod(line.substr(line.rfind(' ') + 1));
-  return sum;
-}
-
 absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster) {
   DispatchMetrics d;
   for (int port : cluster.attention_metrics_ports()) {
@@ -165,9 +152,11 @@ absl::StatusOr<DispatchMetrics> ReadDispatchMetrics(const LocalCluster& cluster)
       AddBuckets(m, "k3serve_dispatch_stage_seconds_bucket", label, d.stage_buckets[i]);
     }
     d.stage_count += MetricValue(m, "k3serve_dispatch_stage_seconds_count", "stage=\"pack\"");
+    const std::string decode = "phase=\"decode\"";
     for (int i = 0; i < 6; ++i)
-      d.decode_stage_sum[i] += PhaseValue(m, "k3serve_dispatch_stage_seconds_sum", kStages[i], "decode");
-    d.decode_stage_count += PhaseValue(m, "k3serve_dispatch_stage_seconds_count", "pack", "decode");
+      d.decode_stage_sum[i] +=
+          MetricValue(m, "k3serve_dispatch_stage_seconds_sum", {absl::StrCat("stage=\"", kStages[i], "\""), decode});
+    d.decode_stage_count += MetricValue(m, "k3serve_dispatch_stage_seconds_count", {"stage=\"pack\"", decode});
   }
   for (int port : cluster.expert_metrics_ports()) {
     K3_ASSIGN_OR_RETURN(std::string m, HttpGet("127.0.0.1", port, "/metrics"));

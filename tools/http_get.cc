@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -50,6 +51,10 @@ absl::StatusOr<std::string> HttpPost(const std::string& host, int port, const st
 }
 
 double MetricValue(const std::string& exposition, const std::string& name, const std::string& label_filter) {
+  return MetricValue(exposition, name, {label_filter});
+}
+
+double MetricValue(const std::string& exposition, const std::string& name, std::initializer_list<std::string> label_filters) {
   std::istringstream in(exposition);
   std::string line;
   double sum = 0;
@@ -57,7 +62,9 @@ double MetricValue(const std::string& exposition, const std::string& name, const
     if (line.empty() || line[0] == '#' || line.compare(0, name.size(), name) != 0) continue;
     const char next = line.size() > name.size() ? line[name.size()] : '\0';
     if (next != ' ' && next != '{') continue;
-    if (!label_filter.empty() && line.find(label_filter) == std::string::npos) continue;
+    if (std::any_of(label_filters.begin(), label_filters.end(),
+                    [&](const std::string& f) { return line.find(f) == std::string::npos; }))
+      continue;
     sum += std::stod(line.substr(line.rfind(' ') + 1));
   }
   return sum;

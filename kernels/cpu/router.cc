@@ -41,38 +41,49 @@ void RankRef(const float* logits, const float* bias, const RouterParams& p, std:
   std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return sb[a] > sb[b]; });
 }
 
+// kept[g] = 1 for the topk_groups groups of highest score (the sum, in T, of a group's two highest s'; a
+// one-expert group's own s'), ties to the lower id; every group when none is left out.
+template <class T>
+void KeepBestGroups(const T* sb, const RouterParams& p, std::vector<T>& score, std::vector<int32_t>& order,
+                    std::vector<char>& kept) {
+  const int64_t G = p.num_groups, per_group = p.num_experts / G;
+  kept.assign(G, 1);
+  if (G <= 1 || p.topk_groups >= G) return;
+  score.resize(G);
+  for (int64_t g = 0; g < G; ++g) {
+    T b1 = -std::numeric_limits<T>::infinity(), b2 = b1;
+    for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+      if (sb[e] > b1) {
+        b2 = b1;
+        b1 = sb[e];
+      } else if (sb[e] > b2) {
+        b2 = sb[e];
+      }
+    }
+    score[g] = b1 + (per_group > 1 ? b2 : T(0));
+  }
+  order.resize(G);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + p.topk_groups, order.end(), [&](int32_t a, int32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  });
+  std::fill(kept.begin(), kept.end(), 0);
+  for (int64_t i = 0; i < p.topk_groups; ++i) kept[order[i]] = 1;
+}
+
 }  // namespace
 
 void RouteTopK(int64_t N, const float* logits, const float* bias, const RouterParams& p, int32_t* idx, float* w) {
   const int64_t E = p.num_experts, k = p.top_k, G = p.num_groups, per_group = E / G;
-  std::vector<float> s(E), sb(E), group_score(G);
-  std::vector<char> group_kept(G);
-  std::vector<int32_t> gorder(G);
+  std::vector<float> s(E), sb(E), group_score;
+  std::vector<char> group_kept;
+  std::vector<int32_t> gorder;
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t e = 0; e < E; ++e) {
       s[e] = 1.0f / (1.0f + std::exp(-logits[n * E + e]));
       sb[e] = s[e] + (bias ? bias[e] : 0.0f);
     }
-    std::fill(group_kept.begin(), group_kept.end(), 1);
-    if (G > 1 && p.topk_groups < G) {
-      for (int64_t g = 0; g < G; ++g) {
-        float b1 = -std::numeric_limits<float>::infinity(), b2 = b1;
-        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-          if (sb[e] > b1) {
-            b2 = b1;
-            b1 = sb[e];
-          } else if (sb[e] > b2) {
-            b2 = sb[e];
-          }
-        }
-        group_score[g] = b1 + b2;
-      }
-      std::iota(gorder.begin(), gorder.end(), 0);
-      std::partial_sort(gorder.begin(), gorder.begin() + p.topk_groups, gorder.end(),
-                        [&](int32_t a, int32_t b) { return Before(group_score[a], a, group_score[b], b); });
-      std::fill(group_kept.begin(), group_kept.end(), 0);
-      for (int64_t i = 0; i < p.topk_groups; ++i) group_kept[gorder[i]] = 1;
-    }
+    KeepBestGroups(sb.data(), p, group_score, gorder, group_kept);
     // Insertion into a sorted top-k list: k is small (≤ 16 in every Kimi config).
     int32_t* ix = idx + n * k;
     int64_t filled = 0;
@@ -131,36 +142,16 @@ template <class Count>
 void QbHistogram(int64_t N, const float* logits, const float* bias, const RouterParams& p, const QbHistParams& h,
                  Count* hist) {
   const int64_t E = p.num_experts, G = p.num_groups, per_group = E / G;
-  std::vector<double> sb(E), gscore(G), cand;
-  std::vector<int64_t> gorder(G);
-  std::vector<char> kept(G);
+  std::vector<double> sb(E), gscore, cand;
+  std::vector<int32_t> gorder;
+  std::vector<char> kept;
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits + n * E;
     for (int64_t e = 0; e < E; ++e) {
       const double s = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
       sb[e] = static_cast<float>(static_cast<float>(s) + (bias ? bias[e] : 0.0f));
     }
-    std::fill(kept.begin(), kept.end(), 1);
-    if (G > 1 && p.topk_groups < G) {
-      for (int64_t g = 0; g < G; ++g) {
-        double b1 = -std::numeric_limits<double>::infinity(), b2 = b1;
-        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-          if (sb[e] > b1) {
-            b2 = b1;
-            b1 = sb[e];
-          } else if (sb[e] > b2) {
-            b2 = sb[e];
-          }
-        }
-        gscore[g] = b1 + (per_group > 1 ? b2 : 0.0);
-      }
-      std::iota(gorder.begin(), gorder.end(), 0);
-      std::partial_sort(gorder.begin(), gorder.begin() + p.topk_groups, gorder.end(), [&](int64_t a, int64_t b) {
-        return gscore[a] > gscore[b] || (gscore[a] == gscore[b] && a < b);
-      });
-      std::fill(kept.begin(), kept.end(), 0);
-      for (int64_t i = 0; i < p.topk_groups; ++i) kept[gorder[i]] = 1;
-    }
+    KeepBestGroups(sb.data(), p, gscore, gorder, kept);
     cand.clear();
     for (int64_t e = 0; e < E; ++e)
       if (kept[e / per_group]) cand.push_back(sb[e]);
