@@ -162,27 +162,33 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
 
 namespace {
 
-constexpr int kWarps = 8;      // 128 weight rows per CTA
-constexpr int kStages = 6;     // the CTA's ring of stages in flight, two k32 blocks each
-constexpr int kMaxTiles = 4;   // n-tiles of 8 tokens a pass at most
+constexpr int kWarps = 8;     // 128 weight rows per CTA
+constexpr int kMaxTiles = 4;  // n-tiles of 8 tokens a pass at most
 
 // The n-tiles of 8 tokens a pass of an expert with m pairs covers at most: its tokens in one pass up to 16, else
 // passes of 32, so that the experts at the head of a skewed routing dequantize their weights once per 32 tokens.
 __host__ __device__ __forceinline__ int PassTiles(int m) { return m <= 8 ? 1 : m <= 16 ? 2 : kMaxTiles; }
 
-// A stage of the ring: two k32 blocks of every warp's 16 rows, codes (256 bytes a block) then scales (16), of W1 (or
-// W2) and, gate/up, W3; then the pass's x over those 64 inputs, 128 bytes per token and plane, its two k32 halves
-// swapped on odd tokens (XOffset) so that a quarter warp's 16-byte reads (tokens g, g + 1) hit all 32 banks once.
+// A stage of the ring: kBlocks k32 blocks of every warp's 16 rows, codes (256 bytes a block) of W1 (or W2) and,
+// gate/up, W3, then their scales (16 bytes a block); then the pass's x over those 32·kBlocks inputs, 64 bytes a block
+// per token and plane, block h of an odd token at h ^ 1 (XOffset) so that a quarter warp's 16-byte reads (tokens g,
+// g + 1) hit all 32 banks once.
 template <bool kGlu, bool kSplit>
 struct Ring {
   static constexpr int kMats = kGlu ? 2 : 1, kPlanes = kSplit ? 2 : 1;
-  static constexpr int kWarpBytes = kMats * (512 + 32);
-  static constexpr int kXBytes = kPlanes * 8 * kMaxTiles * 128;
+  // k32 blocks a stage, and stages in the ring: few barriers a weight (each stage is one __syncthreads), the same
+  // bytes in flight (two CTAs an SM). Two blocks a stage in 6 stages ran 12% slower at 8 pairs per expert.
+  static constexpr int kBlocks = kGlu ? 4 : 8;
+  static constexpr int kStages = kGlu ? 3 : 2;
+  static_assert(kBlocks % 2 == 0 && kBlocks <= 8, "a lane copies kBlocks / 2 16-byte chunks of a matrix's codes");
+  static constexpr int kCodeBytes = kBlocks * 256, kScaleBytes = kBlocks * 16, kTokenBytes = kBlocks * 64;
+  static constexpr int kWarpBytes = kMats * (kCodeBytes + kScaleBytes);
+  static constexpr int kXBytes = kPlanes * 8 * kMaxTiles * kTokenBytes;
   static constexpr int kStageBytes = kWarps * kWarpBytes + kXBytes;
   static constexpr int kBytes = kStages * kStageBytes;
   // Inputs 8·c .. 8·c + 7 (c = 4·h + t: k32 block h of the stage, t) of a token.
   static __host__ __device__ constexpr int XOffset(int plane, int token, int c) {
-    return kWarps * kWarpBytes + (plane * 8 * kMaxTiles + token) * 128 + ((c ^ (token & 1) << 2) * 16);
+    return kWarps * kWarpBytes + (plane * 8 * kMaxTiles + token) * kTokenBytes + ((c ^ (token & 1) << 2) * 16);
   }
 };
 
@@ -215,23 +221,25 @@ __device__ __forceinline__ float Pow2(uint32_t r) { return __uint_as_float((r + 
 template <int kTiles, bool kGlu, bool kSplit>
 __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, int begin, int m, int tok0) {
   using R = Ring<kGlu, kSplit>;
-  constexpr int kMats = R::kMats;
+  constexpr int kMats = R::kMats, kBlocks = R::kBlocks, kStages = R::kStages;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t r16 = static_cast<int64_t>(blockIdx.y) * kWarps + warp;
   const bool rows_in = r16 * 16 < a.rows;  // warps past the last rows still copy x and keep the barriers
-  const int64_t KB = a.K / 32;
-  const int NS = static_cast<int>((KB + 1) / 2);
+  const int KB = static_cast<int>(a.K / 32);
+  const int NS = (KB + kBlocks - 1) / kBlocks;
   // What this thread copies each stage, as sources advanced a stage at a time and offsets in a slot (shared
-  // addresses): its 16 bytes of each matrix's codes (lane l: block l / 16 of the stage), lanes 0 .. 2·kMats − 1
-  // a block's scales, and up to kMine 16-byte chunks of x (token, plane and part p: block p / 4, inputs 8·(p % 4)).
-  // An odd KB leaves the last stage's second block past K: it and x there are zeros, which add nothing.
+  // addresses): its kBlocks / 2 16-byte chunks of each matrix's codes (lane l, chunk j: block (l + 32·j) / 16 of
+  // the stage), lanes 0 .. kBlocks·kMats − 1 a block's scales, and up to kMine 16-byte chunks of x (token, plane and
+  // part p: block p / 4, inputs 8·(p % 4)). A K that is not a multiple of the stage leaves the last stage's blocks
+  // past K: they and x there are zeros, which add nothing.
   const uint8_t* qsrc[kMats];
   const uint8_t* ssrc = nullptr;
   float fa0 = 1.0f, fa1 = 1.0f, fb0 = 1.0f, fb1 = 1.0f;
+  const int s_mat = lane / kBlocks, s_block = lane % kBlocks;  // the scales this lane copies (lanes < kBlocks·kMats)
   if (rows_in) {
     qsrc[0] = a.wa[e] + r16 * KB * 256 + lane * 16;
     if (kGlu) qsrc[kMats - 1] = a.wb[e] + r16 * KB * 256 + lane * 16;
-    ssrc = (kGlu && lane / 2 == 1 ? a.sb[e] : a.sa[e]) + r16 * KB * 16 + (lane % 2) * 16;  // lanes < 2·kMats
+    ssrc = (kGlu && s_mat == 1 ? a.sb[e] : a.sa[e]) + r16 * KB * 16 + s_block * 16;
     const uint8_t* ra = a.sa[e] + a.rows * KB + r16 * 16 + g;  // R of rows g, g + 8
     fa0 = Pow2(ra[0]), fa1 = Pow2(ra[8]);
     if (kGlu) {
@@ -241,47 +249,53 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
   }
   const uint32_t base = ptx::SmemAddr(smem);
   const uint32_t cdst = warp * R::kWarpBytes + lane * 16,
-                 sdst = warp * R::kWarpBytes + kMats * 512 + (lane / 2) * 32 + (lane % 2) * 16;
-  const bool copies_scales = rows_in && lane < 2 * kMats;
-  constexpr int kChunks = R::kPlanes * 8 * kTiles * 8;
+                 sdst = warp * R::kWarpBytes + kMats * R::kCodeBytes + s_mat * R::kScaleBytes + s_block * 16;
+  const bool copies_scales = rows_in && lane < kBlocks * kMats;
+  constexpr int kParts = 4 * kBlocks;  // 16-byte chunks of a token's x a stage
+  constexpr int kChunks = R::kPlanes * 8 * kTiles * kParts;
   constexpr int kMine = (kChunks + kWarps * 32 - 1) / (kWarps * 32);
   const bf16* xsrc[kMine];
   uint32_t xdst[kMine];
-  bool xmine[kMine], xhigh[kMine], xreal[kMine];
+  bool xmine[kMine], xreal[kMine];
+  int xblock[kMine];
 #pragma unroll
   for (int i = 0; i < kMine; ++i) {
     const int c = static_cast<int>(threadIdx.x) + i * kWarps * 32;
-    const int plane = c / (8 * kTiles * 8), token = c / 8 % (8 * kTiles), part = c % 8, tk = tok0 + token;
-    xmine[i] = c < kChunks, xhigh[i] = part >= 4, xreal[i] = xmine[i] && tk < m;
+    const int plane = c / (8 * kTiles * kParts), token = c / kParts % (8 * kTiles), part = c % kParts,
+              tk = tok0 + token;
+    xmine[i] = c < kChunks, xblock[i] = part / 4, xreal[i] = xmine[i] && tk < m;
     xdst[i] = R::XOffset(plane, token, part);
     xsrc[i] = a.x;  // a valid address for the zeros
     if (xreal[i]) {
       const int64_t row = kGlu ? a.slot_pair[begin + tk] / a.top_k : begin + tk;
-      xsrc[i] = a.x + row * a.K + plane * a.x_lo + (part / 4) * 32 + (part % 4) * 8;
+      xsrc[i] = a.x + row * a.K + plane * a.x_lo + part * 8;
     }
   }
-  const int half_st = KB % 2 == 1 ? NS - 1 : -1;
+  const int last_blocks = KB - (NS - 1) * kBlocks;  // the blocks of the last stage inside K
   int wr = 0;
   auto issue = [&](int st) {  // stage st into the next slot, one cp.async group; the sources advance a stage
     if (st < NS) {
       const uint32_t slot = base + wr * R::kStageBytes;
       wr = wr == kStages - 1 ? 0 : wr + 1;
-      const bool half = st == half_st;
+      const int blocks = st == NS - 1 ? last_blocks : kBlocks;
       if (rows_in) {
 #pragma unroll
         for (int mt = 0; mt < kMats; ++mt) {
-          ptx::CpAsync16At(slot + cdst + mt * 512, qsrc[mt], half && lane >= 16 ? 0 : 16);
-          qsrc[mt] += 512;
+#pragma unroll
+          for (int j = 0; j < kBlocks / 2; ++j)
+            ptx::CpAsync16At(slot + cdst + mt * R::kCodeBytes + j * 512, qsrc[mt] + j * 512,
+                             (lane + 32 * j) / 16 < blocks ? 16 : 0);
+          qsrc[mt] += R::kCodeBytes;
         }
       }
-      if (copies_scales) ptx::CpAsync16At(slot + sdst, ssrc, half && (lane & 1) ? 0 : 16);
-      ssrc += 32;
+      if (copies_scales) ptx::CpAsync16At(slot + sdst, ssrc, s_block < blocks ? 16 : 0);
+      ssrc += R::kScaleBytes;
 #pragma unroll
       for (int i = 0; i < kMine; ++i) {
         if (!xmine[i]) continue;
-        const bool in = xreal[i] && !(half && xhigh[i]);
+        const bool in = xreal[i] && xblock[i] < blocks;
         ptx::CpAsync16At(slot + xdst[i], in ? xsrc[i] : a.x, in ? 16 : 0);
-        xsrc[i] += 64;
+        xsrc[i] += 32 * kBlocks;
       }
     }
     ptx::CpAsyncCommit();
@@ -289,8 +303,9 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   // This lane's reads in a slot: codes and scales of its warp, x of token g (its two k32 halves swapped on odd g).
-  const uint32_t crd = warp * R::kWarpBytes + lane * 8, srd = warp * R::kWarpBytes + kMats * 512 + g * 2;
-  const uint32_t xrd0 = R::XOffset(0, g, t), xrd1 = R::XOffset(0, g, 4 + t);
+  const uint32_t crd = warp * R::kWarpBytes + lane * 8, srd = warp * R::kWarpBytes + kMats * R::kCodeBytes + g * 2;
+  // Block h of token g's inputs 8t .. 8t + 7 at xrow + (h·64 ^ xflip): R::XOffset(0, g, 4·h + t).
+  const uint32_t xrow = kWarps * R::kWarpBytes + g * R::kTokenBytes + t * 16, xflip = (g & 1) * 64;
   float ca[kTiles][4] = {}, cb[kTiles][4] = {};
   int rd = 0;
   for (int it = 0; it < NS; ++it) {
@@ -301,17 +316,17 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
     rd = rd == kStages - 1 ? 0 : rd + 1;
     if (!rows_in) continue;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kBlocks; ++h) {
       uint32_t A0[4], A1[4], B0[4], B1[4];
       Dequant(*reinterpret_cast<const uint2*>(slot + crd + h * 256),
               *reinterpret_cast<const uint16_t*>(slot + srd + h * 16), A0, A1);
       if (kGlu)
-        Dequant(*reinterpret_cast<const uint2*>(slot + crd + 512 + h * 256),
-                *reinterpret_cast<const uint16_t*>(slot + srd + 32 + h * 16), B0, B1);
-      const uint32_t xrd = h == 0 ? xrd0 : xrd1;
+        Dequant(*reinterpret_cast<const uint2*>(slot + crd + R::kCodeBytes + h * 256),
+                *reinterpret_cast<const uint16_t*>(slot + srd + R::kScaleBytes + h * 16), B0, B1);
+      const uint32_t xh = xrow + ((h * 64) ^ xflip);
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(slot + xrd + nt * 8 * 128);  // token g's inputs 8t ..
+        const uint4 xv = *reinterpret_cast<const uint4*>(slot + xh + nt * 8 * R::kTokenBytes);  // token g's inputs 8t ..
         ptx::Mma(ca[nt], A0, xv.x, xv.y);
         ptx::Mma(ca[nt], A1, xv.z, xv.w);
         if (kGlu) {
@@ -319,7 +334,7 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
           ptx::Mma(cb[nt], B1, xv.z, xv.w);
         }
         if (kSplit) {
-          const uint4 xl = *reinterpret_cast<const uint4*>(slot + xrd + (8 * kMaxTiles + nt * 8) * 128);
+          const uint4 xl = *reinterpret_cast<const uint4*>(slot + xh + (8 * kMaxTiles + nt * 8) * R::kTokenBytes);
           ptx::Mma(ca[nt], A0, xl.x, xl.y);
           ptx::Mma(ca[nt], A1, xl.z, xl.w);
           if (kGlu) {
