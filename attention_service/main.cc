@@ -55,6 +55,9 @@ ABSL_FLAG(bool, ping_pong_adaptive, false,
 ABSL_FLAG(int, dispatch_timeout_ms, 0,
           "an expert node that leaves an MoE dispatch unanswered this long is reported and avoided; the dispatch is "
           "retried on a replica, else fails UNAVAILABLE (0: 500 ms above twice the slowest recent round trip)");
+ABSL_FLAG(int, dispatch_poll_us, 300,
+          "an MoE dispatch's wait polls the shared-memory rings this long for the reply before it sleeps, so that a "
+          "reply is taken the moment it lands (0: sleep at once; the poll yields the CPU to any thread waiting for it)");
 ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "longest prompt accepted (INVALID_ARGUMENT beyond; 0: only --max-context bounds it)");
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with K3SERVE_CUDA)");
 ABSL_FLAG(std::string, wire_dtype, "auto",
@@ -364,6 +367,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 6; ++i) stage_h[st.decode][i]->Observe(std::max(0.0, absl::ToDoubleSeconds(d[i])));
   };
   dopt.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_dispatch_timeout_ms));
+  dopt.poll = absl::Microseconds(absl::GetFlag(FLAGS_dispatch_poll_us));
   dopt.node_token = k3::auth::NodeToken();
   dopt.on_part = [&](const std::string& node, size_t out, size_t in, absl::Duration took) {
     dispatch_seconds->WithLabels({node}).Observe(absl::ToDoubleSeconds(took));
@@ -377,6 +381,9 @@ int main(int argc, char** argv) {
   };
   k3::router::Dispatcher dispatcher(config, *transport, dopt);
   if (absl::GetFlag(FLAGS_qb_bins) < 0) return Fail("--qb-bins", absl::InvalidArgumentError("--qb-bins must be >= 0"));
+  if (const int w = absl::GetFlag(FLAGS_dispatch_poll_us); w < 0 || w > 1000000)
+    return Fail("--dispatch-poll-us",
+                absl::InvalidArgumentError(absl::StrCat("--dispatch-poll-us must be in [0, 1000000], got ", w)));
   if (const int64_t w = absl::GetFlag(FLAGS_admission_window_us); w < 0 || w > 1000000)
     return Fail("--admission-window-us",
                 absl::InvalidArgumentError(absl::StrCat("--admission-window-us must be in [0, 1000000], got ", w)));

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <thread>
 #include <tuple>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_join.h"
 
 namespace k3::router {
@@ -266,6 +268,8 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
   if (it == pending_.end()) return absl::NotFoundError(absl::StrCat("unknown dispatch ticket ", ticket));
   Pending& p = it->second;
   std::vector<std::string> hung;  // nodes that did not answer in time
+  const absl::Time poll_until = options_.poll > absl::ZeroDuration() ? absl::Now() + options_.poll : absl::InfinitePast();
+  Polled polled;  // connections between BeginPoll and EndPoll
   while (p.remaining > 0 && p.status.ok()) {
     const absl::Duration timeout = Timeout();
     const absl::Duration left = p.start + timeout - absl::Now();
@@ -282,8 +286,15 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
                                                      absl::FormatDuration(timeout)));
       break;
     }
+    if (absl::Now() < poll_until) {
+      if (PollParts(p, polled, lock)) continue;
+    } else if (!polled.empty()) {
+      EndPolls(polled, lock);
+      continue;
+    }
     cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(left, absl::Milliseconds(100))));
   }
+  EndPolls(polled, lock);  // before the parts let go of their peers
   absl::Status status = p.status;
   std::vector<std::pair<std::string, DispatchStages>> stages;
   if (status.ok()) {
@@ -339,6 +350,33 @@ absl::Status Dispatcher::Wait(uint64_t ticket, float* out) {
     if (retry.ok()) return Wait(*retry, out);
   }
   return status;
+}
+
+bool Dispatcher::PollParts(const Pending& p, Polled& polled, std::unique_lock<std::mutex>& lock) {
+  // A part's peer keeps its connection while the part holds it (SetPlacement and Wait close a
+  // connection only with its peer's last reference), so the pointers outlive the unlocked polls.
+  for (const Part& part : p.parts) {
+    dataplane::Connection* c = part.peer->conn.get();
+    if (part.done || c == nullptr || !c->can_poll() || absl::c_linear_search(polled, c)) continue;
+    c->BeginPoll();
+    polled.push_back(c);
+  }
+  if (polled.empty()) return false;
+  lock.unlock();
+  bool got = false;
+  for (dataplane::Connection* c : polled) got |= c->Poll();
+  // Let a thread that shares this CPU go first: on a small host it may be the expert node itself.
+  if (!got) std::this_thread::yield();
+  lock.lock();
+  return true;
+}
+
+void Dispatcher::EndPolls(Polled& polled, std::unique_lock<std::mutex>& lock) {
+  if (polled.empty()) return;
+  lock.unlock();
+  for (dataplane::Connection* c : polled) c->EndPoll();
+  polled.clear();
+  lock.lock();
 }
 
 void Dispatcher::OnMessage(const std::string& node_id, dataplane::Buffer msg) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/time/time.h"
 #include "engine/expert_executor.h"
 #include "router/placement.h"
@@ -38,8 +39,12 @@ struct DispatcherOptions {
   absl::Duration timeout = absl::ZeroDuration();
   absl::Duration timeout_margin = absl::Milliseconds(500);
   wire::RowDType dtype = wire::RowDType::kF32;  // rows and partial sums on the wire
+  // Wait polls the connections (Connection::Poll) this long before it sleeps: the reply is taken the
+  // moment it lands, without waking the transport's thread and then this one. Zero: sleep at once.
+  absl::Duration poll = absl::ZeroDuration();
   std::string node_token;  // sent as each connection's first message (wire::Hello)
-  // Called on the transport's thread after every dispatch part completes (metrics); must not block.
+  // Called where a part's reply is taken (the transport's thread, or Wait's while it polls) after every dispatch
+  // part completes (metrics); must not block.
   std::function<void(const std::string& node_id, size_t bytes_out, size_t bytes_in, absl::Duration)> on_part;
   // Called on the engine's thread (in Wait) for every part that succeeded; must not block.
   std::function<void(const std::string& node_id, const DispatchStages&)> on_stages;
@@ -110,6 +115,11 @@ class Dispatcher : public ExpertExecutor {
   void OnMessage(const std::string& node_id, dataplane::Buffer msg);
   void OnFailure(const std::string& node_id, const absl::Status& why);
   absl::StatusOr<uint64_t> SubmitAttempt(const ExpertRequest& request, int attempt);
+  using Polled = absl::InlinedVector<dataplane::Connection*, 8>;
+  // Wait's polling, mu_ released meanwhile: the connections of p's unanswered parts join `polled`
+  // (BeginPoll), and each of those is polled once; false if none can be. EndPolls ends them all.
+  bool PollParts(const Pending& p, Polled& polled, std::unique_lock<std::mutex>& lock);
+  void EndPolls(Polled& polled, std::unique_lock<std::mutex>& lock);
   absl::Duration Timeout() const;  // mu_ held
   absl::Status CheckNewer(const PlacementTable& placement) const;  // mu_ held
   void FinishPart(uint64_t wire_id, const absl::Status& status, const Arrival& arrival, size_t bytes_in);

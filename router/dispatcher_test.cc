@@ -1,6 +1,7 @@
 // The dispatcher against real UCX endpoints and a real expert node: a hung node (it takes rows and
 // never answers) is timed out and reported, and the dispatch retried on its replica; with no
-// replica left the dispatch fails UNAVAILABLE naming the node. Older placements are refused.
+// replica left the dispatch fails UNAVAILABLE naming the node. Older placements are refused. Over
+// shared memory a polling Wait takes the replies itself, and still times a hung node out.
 #include "router/dispatcher.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 
 #include "absl/time/clock.h"
 #include "expert_service/expert_node.h"
+#include "router/shm_transport.h"
 #include "router/ucx_transport.h"
 #include "tests/testing.h"
 
@@ -25,20 +27,22 @@ struct Fixture {
   ModelConfig config;
   std::shared_ptr<const Checkpoint> ckpt;
   metrics::Registry registry;
-  std::unique_ptr<dataplane::Transport> transport;
+  std::unique_ptr<dataplane::Transport> transport;       // the dispatcher's
+  std::unique_ptr<dataplane::Transport> node_transport;  // the nodes': as in a cluster, another progress thread
   std::unique_ptr<ExpertNode> good;
   std::unique_ptr<dataplane::Server> hung;
   std::atomic<int> hung_messages{0};
   int32_t moe_layer = -1;
 
-  Fixture() {
+  explicit Fixture(bool shm = false) {
     config = *LoadModelConfig(Tiny());
     ckpt = std::make_shared<const Checkpoint>(*Checkpoint::Open(Tiny()));
-    transport = *dataplane::NewUcxTransport();
+    transport = shm ? *dataplane::NewShmTransport() : *dataplane::NewUcxTransport();
+    node_transport = shm ? *dataplane::NewShmTransport() : *dataplane::NewUcxTransport();
     ExpertNodeOptions eopt;
     eopt.node_id = "good";
     good = std::make_unique<ExpertNode>(config, ckpt, eopt, registry);
-    EXPECT_TRUE(good->Listen(*transport, "127.0.0.1:0").ok());
+    EXPECT_TRUE(good->Listen(*node_transport, "127.0.0.1:0").ok());
     grpc::ServerContext ctx;  // no credentials configured: the admin check is open
     v1::LoadSlotsRequest req;
     req.set_version(1);
@@ -55,7 +59,7 @@ struct Fixture {
     EXPECT_TRUE(good->LoadSlots(&ctx, &req, &resp).ok());
     dataplane::ServerCallbacks cb;
     cb.on_message = [this](dataplane::ConnectionId, dataplane::Buffer) { hung_messages++; };
-    hung = *transport->Listen("127.0.0.1:0", cb);
+    hung = *node_transport->Listen("127.0.0.1:0", cb);
   }
   ~Fixture() {
     hung.reset();
@@ -222,6 +226,61 @@ TEST(Dispatcher, ALateReplyRaisesTheAdaptiveTimeout) {
   }
   for (auto& r : repliers) r.join();
   slow.reset();
+}
+
+// Wait polls the shared-memory rings (DispatcherOptions::poll): the sums are the node's, replies are
+// taken on the waiting thread, and a poll window longer than the timeout does not hold the timeout up.
+TEST(Dispatcher, PollingWaitOverSharedMemory) {
+  Fixture f(/*shm=*/true);
+  std::atomic<int> stages_here{0};
+  const std::thread::id self = std::this_thread::get_id();
+  std::atomic<int> parts_here{0}, parts{0};
+  DispatcherOptions opt;
+  opt.poll = absl::Seconds(1);
+  opt.timeout = absl::Milliseconds(200);
+  opt.on_part = [&](const std::string&, size_t, size_t, absl::Duration) {
+    parts++;
+    if (std::this_thread::get_id() == self) parts_here++;
+  };
+  opt.on_stages = [&](const std::string&, const DispatchStages&) { stages_here++; };
+  Dispatcher d(f.config, *f.transport, opt);
+  ASSERT_TRUE(d.SetPlacement(f.Placement(1, {"good"})).ok());
+  const int64_t rows = 5, k = f.config.top_k, X = f.config.expert_width();
+  const std::vector<float> x = testing::Random(rows * X, 9);
+  std::vector<int32_t> idx(rows * k);
+  std::vector<float> w(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) {
+    idx[i] = static_cast<int32_t>((i * 3 + i / k) % f.config.num_experts);
+    w[i] = 0.3f + 0.05f * static_cast<float>(i % k);
+  }
+  const ExpertRequest req{f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()};
+  auto weights = LoadWeights(f.config, f.ckpt, WeightFilter::ExpertsOnly([](int64_t, int64_t) { return true; }));
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  LocalExpertExecutor local(f.config, **weights);
+  std::vector<float> want(rows * X), got(rows * X);
+  ASSERT_TRUE(local.Run(req, want.data()).ok());
+  constexpr int kDispatches = 200;
+  for (int i = 0; i < kDispatches; ++i) {
+    auto ticket = d.Submit(req);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    ASSERT_TRUE(d.Wait(*ticket, got.data()).ok());
+    ASSERT_LT(testing::MaxAbsDiff(got, want), 1e-5) << "dispatch " << i;
+  }
+  EXPECT_EQ(parts, kDispatches);
+  EXPECT_EQ(stages_here, kDispatches);
+  // The transport's thread may win a race for a reply now and then; the waiting thread takes most.
+  EXPECT_GT(parts_here, kDispatches / 10) << "the polling Wait took " << parts_here << " of " << parts << " replies";
+  std::printf("polling Wait: %d of %d replies taken on the waiting thread\n", parts_here.load(), parts.load());
+
+  ASSERT_TRUE(d.SetPlacement(f.Placement(2, {"hung"})).ok());
+  const absl::Time t0 = absl::Now();
+  auto ticket = d.Submit(req);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  const absl::Status s = d.Wait(*ticket, got.data());
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_NE(s.message().find("expert node hung did not answer within 200ms"), std::string::npos) << s;
+  EXPECT_LT(took, absl::Milliseconds(900)) << "the poll window held the timeout up";
 }
 
 }  // namespace

@@ -168,6 +168,14 @@ struct Conn {
   std::vector<std::byte> hello;
   std::unique_ptr<Mapping> map;
   Ring in;
+
+  // The incoming ring's reader: the progress thread, or a client's thread in Connection::Poll.
+  std::mutex in_mu;
+  bool readable = false;  // open and mapped
+  absl::Status in_error;  // the ring was malformed (found by Poll; the progress thread ends it)
+  // Threads between BeginPoll and EndPoll: the progress thread leaves the ring to them (it would
+  // otherwise be woken by the same bell and, given the poller's yielded CPU, take the message first).
+  std::atomic<int> pollers{0};
   uint64_t in_tail = 0;
   std::optional<wire::RingReader> reader;
   Buffer rx;
@@ -249,6 +257,8 @@ class ShmTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<Server>> Listen(const std::string& address, ServerCallbacks callbacks) override;
 
   void Send(const std::shared_ptr<Conn>& c, Buffer msg, SendDone done);
+  bool Poll(const std::shared_ptr<Conn>& c);
+  void EndPoll(const std::shared_ptr<Conn>& c);
   void ServerSend(uint64_t listener, ConnectionId to, Buffer msg, SendDone done);
   void CloseClient(const std::shared_ptr<Conn>& c);
   void CloseServer(uint64_t listener);
@@ -270,6 +280,8 @@ class ShmTransport final : public Transport {
   void Accept(Listener& l);
   void Opened(Conn& c);
   bool ReadIn(const std::shared_ptr<Conn>& conn);
+  // Under c.in_mu, c.readable: delivers the complete messages in the ring; true if it moved.
+  bool ReadRing(Conn& c);
   void ServerHello(const std::shared_ptr<Conn>& c);
   // Ends a connection: the ring's complete messages are delivered first, queued sends complete with
   // `why`, and the owner hears of it unless it closed the connection itself.
@@ -305,6 +317,10 @@ class ShmConnection final : public Connection {
       : transport_(t), conn_(std::move(c)), address_(std::move(address)) {}
   ~ShmConnection() override { transport_->CloseClient(conn_); }
   void Send(Buffer msg, SendDone done) override { transport_->Send(conn_, std::move(msg), std::move(done)); }
+  bool can_poll() const override { return true; }
+  void BeginPoll() override { conn_->pollers.fetch_add(1, std::memory_order_seq_cst); }
+  bool Poll() override { return transport_->Poll(conn_); }
+  void EndPoll() override { transport_->EndPoll(conn_); }
   const std::string& address() const override { return address_; }
 
  private:
@@ -595,6 +611,24 @@ bool ShmTransport::Progress() {
 
 bool ShmTransport::ReadIn(const std::shared_ptr<Conn>& conn) {
   Conn& c = *conn;
+  absl::Status bad;
+  bool worked = false;
+  {
+    if (c.pollers.load(std::memory_order_seq_cst) > 0) return false;  // left to the pollers
+    std::unique_lock<std::mutex> lock(c.in_mu, std::try_to_lock);
+    if (!lock.owns_lock()) return false;  // a Poll is reading it
+    if (c.in_error.ok()) worked = ReadRing(c);
+    bad = c.in_error;
+  }
+  if (!bad.ok()) {
+    End(conn, bad, true);
+    if (c.listener != nullptr) conns_.erase(c.serial);
+    return true;
+  }
+  return worked;
+}
+
+bool ShmTransport::ReadRing(Conn& c) {
   const uint64_t head = c.in.ctl->head.v.load(std::memory_order_acquire);
   if (head == c.in_tail) return false;
   auto tail = c.reader->Read(
@@ -612,14 +646,38 @@ bool ShmTransport::ReadIn(const std::shared_ptr<Conn>& conn) {
         }
       });
   if (!tail.ok()) {
-    End(conn, absl::UnavailableError(absl::StrCat("malformed ring from ", c.peer, ": ", tail.status().message())), true);
-    if (c.listener != nullptr) conns_.erase(c.serial);
+    c.in_error = absl::UnavailableError(absl::StrCat("malformed ring from ", c.peer, ": ", tail.status().message()));
+    c.readable = false;
     return true;
   }
   c.in_tail = *tail;
   c.in.ctl->tail.v.store(c.in_tail, std::memory_order_seq_cst);
   if (c.in.ctl->producer_waiting.v.load(std::memory_order_seq_cst) != 0) RingBell(c.out.ctl);
   return true;
+}
+
+bool ShmTransport::Poll(const std::shared_ptr<Conn>& c) {
+  if (OnProgressThread()) return false;  // its own loop reads the rings
+  bool worked = false, bad = false;
+  {
+    std::unique_lock<std::mutex> lock(c->in_mu, std::try_to_lock);
+    if (!lock.owns_lock() || !c->readable) return false;
+    worked = ReadRing(*c);
+    bad = !c->in_error.ok();
+  }
+  if (bad) Post([] {});  // the progress thread ends the connection
+  return worked;
+}
+
+void ShmTransport::EndPoll(const std::shared_ptr<Conn>& c) {
+  if (c->pollers.fetch_sub(1, std::memory_order_seq_cst) > 1) return;
+  // The last poller leaves. A message that landed before the count dropped may have found the
+  // progress thread asleep and leaving it to us: read once more. One that lands after rings the bell
+  // of a progress thread that now reads it (it announced its sleep before looking at the count).
+  if (!Poll(c)) {
+    std::unique_lock<std::mutex> lock(c->in_mu);  // a Poll of another thread in progress: wait it out
+    if (c->readable) ReadRing(*c);
+  }
 }
 
 void ShmTransport::Sleep() {
@@ -650,7 +708,11 @@ void ShmTransport::Sleep() {
   }
   for (auto& [serial, c] : conns_) {
     if (c->state != State::kOpen) continue;
-    if (c->in.ctl->head.v.load(std::memory_order_seq_cst) != c->in_tail) ready = true;
+    // The published tail, not in_tail: a Poll on another thread may be reading the ring. A ring
+    // with pollers is theirs.
+    if (c->pollers.load(std::memory_order_seq_cst) == 0 &&
+        c->in.ctl->head.v.load(std::memory_order_seq_cst) != c->in.ctl->tail.v.load(std::memory_order_seq_cst))
+      ready = true;
     std::lock_guard<std::mutex> lock(c->out_mu);
     if (!c->out_q.empty() || !c->completed.empty()) {
       const uint64_t tail = c->out.ctl->tail.v.load(std::memory_order_seq_cst);
@@ -849,7 +911,11 @@ void ShmTransport::ServerHello(const std::shared_ptr<Conn>& c) {
 
 void ShmTransport::Opened(Conn& c) {
   c.state = State::kOpen;
-  c.in_tail = c.in.ctl->tail.v.load(std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lock(c.in_mu);
+    c.in_tail = c.in.ctl->tail.v.load(std::memory_order_relaxed);
+    c.readable = true;
+  }
   std::lock_guard<std::mutex> lock(c.out_mu);
   c.out_head = c.out.ctl->head.v.load(std::memory_order_relaxed);
   c.writable = true;
@@ -858,7 +924,9 @@ void ShmTransport::Opened(Conn& c) {
 
 void ShmTransport::End(const std::shared_ptr<Conn>& c, const absl::Status& why, bool tell_owner) {
   if (c->state == State::kDead) return;
-  if (c->state == State::kOpen && tell_owner) {
+  std::unique_lock<std::mutex> in_lock(c->in_mu);  // no Poll reads the ring from here on
+  c->readable = false;
+  if (c->state == State::kOpen && tell_owner && c->in_error.ok()) {
     // What the peer wrote before it went is still delivered.
     c->state = State::kDead;  // a malformed ring must not recurse here
     const uint64_t head = c->in.ctl->head.v.load(std::memory_order_acquire);
@@ -877,6 +945,7 @@ void ShmTransport::End(const std::shared_ptr<Conn>& c, const absl::Status& why, 
             }
           });
   }
+  in_lock.unlock();
   c->state = State::kDead;
   std::deque<OutMsg> queued;
   std::vector<SendDone> completed;
@@ -893,7 +962,10 @@ void ShmTransport::End(const std::shared_ptr<Conn>& c, const absl::Status& why, 
     std::lock_guard<std::mutex> lock(server_conns_mu_);
     server_conns_.erase(c->serial);
   }
-  c->map.reset();
+  {
+    std::lock_guard<std::mutex> lock(c->in_mu);
+    c->map.reset();
+  }
   if (!c->shm_name.empty()) {
     ::shm_unlink(c->shm_name.c_str());
     c->shm_name.clear();

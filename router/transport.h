@@ -4,8 +4,10 @@
 // interface.
 //
 // Threading: Send may be called from any thread, including from inside a callback. Every callback
-// (messages, send completions, failures) runs on the transport's single progress thread, so a
-// callback must not block: hand heavy work to another thread. Connect, Listen and the destructors
+// (messages, send completions, failures) runs on the transport's single progress thread, except that
+// a client connection's messages may also be delivered by Connection::Poll on the thread calling it;
+// one connection's on_message calls never overlap. A callback must not block: hand heavy work to
+// another thread. Connect, Listen and the destructors
 // of Connection and Server must not be called from a callback; they return (or die with a message)
 // rather than deadlock. Connections and servers must be destroyed before their transport.
 #pragma once
@@ -125,6 +127,17 @@ class Connection {
   // no callback of this connection runs afterwards.
   virtual ~Connection() = default;
   virtual void Send(Buffer msg, SendDone done) = 0;
+  // Polling, for a thread that waits for a reply and would take it the moment it lands rather than
+  // after the progress thread has been woken for it. Between BeginPoll and EndPoll the progress thread
+  // leaves this connection's messages to Poll, which delivers those that have arrived on the calling
+  // thread (its on_message runs there) and says whether there were any; EndPoll delivers what is left
+  // and hands the connection back. Every BeginPoll needs its EndPoll, before the connection is
+  // destroyed. Not from this connection's own callbacks. A transport that cannot (can_poll() false)
+  // delivers everything on its progress thread.
+  virtual bool can_poll() const { return false; }
+  virtual void BeginPoll() {}
+  virtual bool Poll() { return false; }
+  virtual void EndPoll() {}
   virtual const std::string& address() const = 0;  // the server's address as given to Connect
 };
 

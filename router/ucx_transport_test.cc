@@ -505,6 +505,54 @@ TEST(ShmTransport, ConnectToUcxServerFails) {
   EXPECT_TRUE(absl::IsUnavailable(client.failure())) << client.failure();
 }
 
+// Between BeginPoll and EndPoll the replies are the polling thread's: Poll delivers them there, and
+// EndPoll what is left; afterwards the progress thread delivers them again.
+TEST(ShmTransport, PollingTakesRepliesOnTheCallingThread) {
+  EchoServer server;
+  auto transport = NewTransport();
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, std::thread::id>> got;  // tag, delivering thread
+  auto conn = transport->Connect(server.address(), {.on_message = [&](Buffer msg) {
+                                                      std::lock_guard<std::mutex> lock(mu);
+                                                      got.emplace_back(TagOf(msg), std::this_thread::get_id());
+                                                    }});
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  Connection& c = **conn;
+  ASSERT_TRUE(c.can_poll());
+  auto count = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return got.size();
+  };
+  // The first reply on the progress thread: the connection is open.
+  c.Send(Patterned(0, 64), [](absl::Status) {});
+  for (auto end = std::chrono::steady_clock::now() + 10s; count() < 1 && std::chrono::steady_clock::now() < end;)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(count(), 1u);
+  const std::thread::id self = std::this_thread::get_id();
+  c.BeginPoll();
+  for (uint64_t tag = 1; tag <= 50; ++tag) {
+    c.Send(Patterned(tag, 64 + tag), [](absl::Status) {});
+    bool delivered = false;
+    for (auto end = std::chrono::steady_clock::now() + 10s; !delivered && std::chrono::steady_clock::now() < end;)
+      delivered = c.Poll();
+    ASSERT_TRUE(delivered) << "reply " << tag;
+  }
+  c.Send(Patterned(51, 64), [](absl::Status) {});
+  std::this_thread::sleep_for(50ms);  // lands while polled, and is not taken by the progress thread
+  EXPECT_EQ(count(), 51u);
+  c.EndPoll();  // delivers it here
+  ASSERT_EQ(count(), 52u);
+  c.Send(Patterned(52, 64), [](absl::Status) {});
+  for (auto end = std::chrono::steady_clock::now() + 10s; count() < 53 && std::chrono::steady_clock::now() < end;)
+    std::this_thread::sleep_for(1ms);
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(got.size(), 53u);
+  for (uint64_t tag = 0; tag < got.size(); ++tag) {
+    EXPECT_EQ(got[tag].first, tag);
+    EXPECT_EQ(got[tag].second == self, tag >= 1 && tag <= 51) << "reply " << tag;
+  }
+}
+
 // The scheme transport hands "shm://" addresses to the shared-memory transport, others to UCX.
 TEST(ShmTransport, SchemeTransportPicksByAddress) {
   auto shm = NewShmTransport();
