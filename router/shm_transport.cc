@@ -614,11 +614,13 @@ bool ShmTransport::ReadIn(const std::shared_ptr<Conn>& conn) {
   absl::Status bad;
   bool worked = false;
   {
-    if (c.pollers.load(std::memory_order_seq_cst) > 0) return false;  // left to the pollers
     std::unique_lock<std::mutex> lock(c.in_mu, std::try_to_lock);
     if (!lock.owns_lock()) return false;  // a Poll is reading it
-    if (c.in_error.ok()) worked = ReadRing(c);
-    bad = c.in_error;
+    if (c.in_error.ok()) {
+      if (c.pollers.load(std::memory_order_seq_cst) > 0) return false;  // left to the pollers
+      worked = ReadRing(c);
+    }
+    bad = c.in_error;  // also one a Poll found: ended here, pollers or not
   }
   if (!bad.ok()) {
     End(conn, bad, true);
