@@ -82,6 +82,30 @@ struct Fixture {
   }
 };
 
+// A request of `rows` rows over the first MoE layer's experts, and the in-process experts' sums for it.
+struct Rows {
+  std::vector<float> x, w, want;
+  std::vector<int32_t> idx;
+  ExpertRequest request;
+  Rows(const Fixture& f, int64_t rows, uint64_t seed) {
+    const int64_t k = f.config.top_k, X = f.config.expert_width();
+    x = testing::Random(rows * X, seed);
+    idx.resize(rows * k);
+    w.resize(rows * k);
+    for (int64_t i = 0; i < rows * k; ++i) {
+      idx[i] = static_cast<int32_t>((i * 5 + i / k) % f.config.num_experts);
+      w[i] = 0.25f + 0.1f * static_cast<float>(i % k);
+    }
+    request = {f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()};
+    auto weights = LoadWeights(f.config, f.ckpt, WeightFilter::ExpertsOnly([](int64_t, int64_t) { return true; }));
+    EXPECT_TRUE(weights.ok()) << weights.status();
+    want.resize(rows * X);
+    if (weights.ok()) {
+      EXPECT_TRUE(LocalExpertExecutor(f.config, **weights).Run(request, want.data()).ok());
+    }
+  }
+};
+
 TEST(Dispatcher, HungNodeIsRetriedOnItsReplica) {
   Fixture f;
   std::mutex mu;
@@ -98,20 +122,10 @@ TEST(Dispatcher, HungNodeIsRetriedOnItsReplica) {
   EXPECT_TRUE(absl::IsFailedPrecondition(d.SetPlacement(f.Placement(1, {"good"}))));  // older: ignored
   EXPECT_EQ(d.placement_version(), 2u);
 
-  const int64_t rows = 6, k = f.config.top_k, X = f.config.expert_width();
-  const std::vector<float> x = testing::Random(rows * X, 7);
-  std::vector<int32_t> idx(rows * k);
-  std::vector<float> w(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) {
-    idx[i] = static_cast<int32_t>((i * 5 + i / k) % f.config.num_experts);
-    w[i] = 0.25f + 0.1f * static_cast<float>(i % k);
-  }
-  const ExpertRequest req{f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()};
-  auto weights = LoadWeights(f.config, f.ckpt, WeightFilter::ExpertsOnly([](int64_t, int64_t) { return true; }));
-  ASSERT_TRUE(weights.ok()) << weights.status();
-  LocalExpertExecutor local(f.config, **weights);
-  std::vector<float> want(rows * X), got(rows * X);
-  ASSERT_TRUE(local.Run(req, want.data()).ok());
+  const Rows r(f, 6, 7);
+  const ExpertRequest& req = r.request;
+  const std::vector<float>& want = r.want;
+  std::vector<float> got(want.size());
 
   const absl::Time t0 = absl::Now();
   auto ticket = d.Submit(req);
@@ -245,20 +259,10 @@ TEST(Dispatcher, PollingWaitOverSharedMemory) {
   opt.on_stages = [&](const std::string&, const DispatchStages&) { stages_here++; };
   Dispatcher d(f.config, *f.transport, opt);
   ASSERT_TRUE(d.SetPlacement(f.Placement(1, {"good"})).ok());
-  const int64_t rows = 5, k = f.config.top_k, X = f.config.expert_width();
-  const std::vector<float> x = testing::Random(rows * X, 9);
-  std::vector<int32_t> idx(rows * k);
-  std::vector<float> w(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) {
-    idx[i] = static_cast<int32_t>((i * 3 + i / k) % f.config.num_experts);
-    w[i] = 0.3f + 0.05f * static_cast<float>(i % k);
-  }
-  const ExpertRequest req{f.moe_layer, rows, X, k, x.data(), idx.data(), w.data()};
-  auto weights = LoadWeights(f.config, f.ckpt, WeightFilter::ExpertsOnly([](int64_t, int64_t) { return true; }));
-  ASSERT_TRUE(weights.ok()) << weights.status();
-  LocalExpertExecutor local(f.config, **weights);
-  std::vector<float> want(rows * X), got(rows * X);
-  ASSERT_TRUE(local.Run(req, want.data()).ok());
+  const Rows r(f, 5, 9);
+  const ExpertRequest& req = r.request;
+  const std::vector<float>& want = r.want;
+  std::vector<float> got(want.size());
   constexpr int kDispatches = 200;
   for (int i = 0; i < kDispatches; ++i) {
     auto ticket = d.Submit(req);

@@ -282,6 +282,9 @@ class ShmTransport final : public Transport {
   bool ReadIn(const std::shared_ptr<Conn>& conn);
   // Under c.in_mu, c.readable: delivers the complete messages in the ring; true if it moved.
   bool ReadRing(Conn& c);
+  // ReadRing on a polling thread: in_mu taken if free (or waited for), a malformed ring left to the
+  // progress thread to end.
+  bool ReadPolled(Conn& c, bool wait);
   void ServerHello(const std::shared_ptr<Conn>& c);
   // Ends a connection: the ring's complete messages are delivered first, queued sends complete with
   // `why`, and the owner hears of it unless it closed the connection itself.
@@ -658,28 +661,32 @@ bool ShmTransport::ReadRing(Conn& c) {
   return true;
 }
 
-bool ShmTransport::Poll(const std::shared_ptr<Conn>& c) {
-  if (OnProgressThread()) return false;  // its own loop reads the rings
-  bool worked = false, bad = false;
-  {
-    std::unique_lock<std::mutex> lock(c->in_mu, std::try_to_lock);
-    if (!lock.owns_lock() || !c->readable) return false;
-    worked = ReadRing(*c);
-    bad = !c->in_error.ok();
-  }
-  if (bad) Post([] {});  // the progress thread ends the connection
-  return worked;
-}
+bool ShmTransport::Poll(const std::shared_ptr<Conn>& c) { return !OnProgressThread() && ReadPolled(*c, false); }
 
 void ShmTransport::EndPoll(const std::shared_ptr<Conn>& c) {
   if (c->pollers.fetch_sub(1, std::memory_order_seq_cst) > 1) return;
   // The last poller leaves. A message that landed before the count dropped may have found the
-  // progress thread asleep and leaving it to us: read once more. One that lands after rings the bell
-  // of a progress thread that now reads it (it announced its sleep before looking at the count).
-  if (!Poll(c)) {
-    std::unique_lock<std::mutex> lock(c->in_mu);  // a Poll of another thread in progress: wait it out
-    if (c->readable) ReadRing(*c);
+  // progress thread asleep and leaving it to us: read once more, after any Poll of another thread.
+  // One that lands after rings the bell of a progress thread that now reads it (it announced its
+  // sleep before looking at the count).
+  ReadPolled(*c, true);
+}
+
+bool ShmTransport::ReadPolled(Conn& c, bool wait) {
+  bool worked = false, bad = false;
+  {
+    std::unique_lock<std::mutex> lock(c.in_mu, std::defer_lock);
+    if (wait) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      return false;
+    }
+    if (!c.readable) return false;
+    worked = ReadRing(c);
+    bad = !c.in_error.ok();
   }
+  if (bad) Post([] {});  // the progress thread ends the connection
+  return worked;
 }
 
 void ShmTransport::Sleep() {
