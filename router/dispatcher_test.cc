@@ -106,6 +106,46 @@ struct Rows {
   }
 };
 
+// A node on `transport` that answers every expert request `delay` after it came, with zero sums,
+// each from a thread of its own.
+struct SlowNode {
+  std::mutex mu;
+  std::vector<std::thread> repliers;  // guarded by mu
+  std::unique_ptr<dataplane::Server> server;
+
+  SlowNode(dataplane::Transport& transport, const ModelConfig& config, absl::Duration delay) {
+    dataplane::ServerCallbacks cb;
+    cb.on_message = [this, delay, experts = static_cast<uint32_t>(config.num_experts)](dataplane::ConnectionId from,
+                                                                                        dataplane::Buffer msg) {
+      auto type = wire::PeekType(msg.span());
+      if (!type.ok() || *type != wire::MessageType::kExpertRequest) return;  // the Hello
+      auto req = wire::DecodeExpertRequest(msg.span(), {experts});
+      ASSERT_TRUE(req.ok()) << req.status();
+      std::lock_guard<std::mutex> lock(mu);
+      repliers.emplace_back([this, delay, from, id = req->request_id, n = req->n_rows, width = req->width] {
+        absl::SleepFor(delay);
+        std::vector<std::byte> sums(static_cast<size_t>(n) * width * sizeof(float), std::byte{0});
+        wire::ExpertReply reply;
+        reply.request_id = id;
+        reply.width = width;
+        reply.n_rows = n;
+        reply.sums = sums;
+        server->Send(from, *wire::Encode<dataplane::Buffer>(reply), [](absl::Status) {});
+      });
+    };
+    server = *transport.Listen("127.0.0.1:0", cb);
+  }
+  ~SlowNode() {
+    std::vector<std::thread> done;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done.swap(repliers);
+    }
+    for (auto& r : done) r.join();
+    server.reset();
+  }
+};
+
 TEST(Dispatcher, HungNodeIsRetriedOnItsReplica) {
   Fixture f;
   std::mutex mu;
@@ -187,30 +227,9 @@ TEST(Dispatcher, HungNodeWithoutReplicaFailsUnavailableNamingIt) {
 TEST(Dispatcher, ALateReplyRaisesTheAdaptiveTimeout) {
   Fixture f;
   const absl::Duration delay = absl::Milliseconds(300);
-  std::mutex mu;
-  std::vector<std::thread> repliers;
-  std::unique_ptr<dataplane::Server> slow;
-  dataplane::ServerCallbacks cb;
-  cb.on_message = [&](dataplane::ConnectionId from, dataplane::Buffer msg) {
-    auto type = wire::PeekType(msg.span());
-    if (!type.ok() || *type != wire::MessageType::kExpertRequest) return;  // the Hello
-    auto req = wire::DecodeExpertRequest(msg.span(), {static_cast<uint32_t>(f.config.num_experts)});
-    ASSERT_TRUE(req.ok()) << req.status();
-    std::lock_guard<std::mutex> lock(mu);
-    repliers.emplace_back([&, from, id = req->request_id, n = req->n_rows, width = req->width] {
-      absl::SleepFor(delay);
-      std::vector<std::byte> sums(static_cast<size_t>(n) * width * sizeof(float), std::byte{0});
-      wire::ExpertReply reply;
-      reply.request_id = id;
-      reply.width = width;
-      reply.n_rows = n;
-      reply.sums = sums;
-      slow->Send(from, *wire::Encode<dataplane::Buffer>(reply), [](absl::Status) {});
-    });
-  };
-  slow = *f.transport->Listen("127.0.0.1:0", cb);
+  SlowNode slow(*f.transport, f.config, delay);
   auto t = std::make_shared<PlacementTable>(*f.Placement(1, {"hung"}));
-  t->nodes[0] = {"slow", slow->address(), ""};
+  t->nodes[0] = {"slow", slow.server->address(), ""};
 
   DispatcherOptions opt;
   opt.timeout_margin = absl::Milliseconds(100);
@@ -238,17 +257,18 @@ TEST(Dispatcher, ALateReplyRaisesTheAdaptiveTimeout) {
     std::printf("late reply after %s: the next part waited %s and succeeded\n", absl::FormatDuration(delay).c_str(),
                 absl::FormatDuration(absl::Now() - t1).c_str());
   }
-  for (auto& r : repliers) r.join();
-  slow.reset();
 }
 
 // Wait polls the shared-memory rings (DispatcherOptions::poll): the sums are the node's, replies are
 // taken on the waiting thread, and a poll window longer than the timeout does not hold the timeout up.
 TEST(Dispatcher, PollingWaitOverSharedMemory) {
   Fixture f(/*shm=*/true);
-  std::atomic<int> stages_here{0};
+  // Replies that come 10 ms after their rows find the waiting thread polling: a fast node's reply may
+  // come before Wait begins (on a loaded host the woken node runs first), and the transport's
+  // thread takes it then.
+  SlowNode slow(*f.node_transport, f.config, absl::Milliseconds(10));
   const std::thread::id self = std::this_thread::get_id();
-  std::atomic<int> parts_here{0}, parts{0};
+  std::atomic<int> parts_here{0}, parts{0}, stages_here{0};
   DispatcherOptions opt;
   opt.poll = absl::Seconds(1);
   opt.timeout = absl::Milliseconds(200);
@@ -257,26 +277,48 @@ TEST(Dispatcher, PollingWaitOverSharedMemory) {
     if (std::this_thread::get_id() == self) parts_here++;
   };
   opt.on_stages = [&](const std::string&, const DispatchStages&) { stages_here++; };
+  // on_part runs after the part completes: on the transport's thread, it may still be running as Wait returns.
+  auto settle = [&](int want) {
+    for (const absl::Time until = absl::Now() + absl::Seconds(2); parts < want && absl::Now() < until;)
+      absl::SleepFor(absl::Milliseconds(1));
+  };
   Dispatcher d(f.config, *f.transport, opt);
   ASSERT_TRUE(d.SetPlacement(f.Placement(1, {"good"})).ok());
   const Rows r(f, 5, 9);
   const ExpertRequest& req = r.request;
   const std::vector<float>& want = r.want;
   std::vector<float> got(want.size());
-  constexpr int kDispatches = 200;
+  constexpr int kDispatches = 100;
   for (int i = 0; i < kDispatches; ++i) {
     auto ticket = d.Submit(req);
     ASSERT_TRUE(ticket.ok()) << ticket.status();
     ASSERT_TRUE(d.Wait(*ticket, got.data()).ok());
     ASSERT_LT(testing::MaxAbsDiff(got, want), 1e-5) << "dispatch " << i;
   }
+  settle(kDispatches);
   EXPECT_EQ(parts, kDispatches);
   EXPECT_EQ(stages_here, kDispatches);
-  // The transport's thread may win a race for a reply now and then; the waiting thread takes most.
-  EXPECT_GT(parts_here, kDispatches / 10) << "the polling Wait took " << parts_here << " of " << parts << " replies";
-  std::printf("polling Wait: %d of %d replies taken on the waiting thread\n", parts_here.load(), parts.load());
+  std::printf("polling Wait, prompt node: %d of %d replies taken on the waiting thread\n", parts_here.load(),
+              parts.load());
 
-  ASSERT_TRUE(d.SetPlacement(f.Placement(2, {"hung"})).ok());
+  auto t = std::make_shared<PlacementTable>(*f.Placement(2, {"hung"}));
+  t->nodes[0] = {"slow", slow.server->address(), ""};
+  ASSERT_TRUE(d.SetPlacement(t).ok());
+  constexpr int kSlow = 40;
+  parts = parts_here = 0;
+  for (int i = 0; i < kSlow; ++i) {
+    auto ticket = d.Submit(req);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    const absl::Status s = d.Wait(*ticket, got.data());
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  settle(kSlow);
+  EXPECT_EQ(parts, kSlow);
+  EXPECT_GE(parts_here, kSlow / 2) << "the polling Wait took " << parts_here << " of " << parts << " late replies";
+  std::printf("polling Wait, 10 ms node: %d of %d replies taken on the waiting thread\n", parts_here.load(),
+              parts.load());
+
+  ASSERT_TRUE(d.SetPlacement(f.Placement(3, {"hung"})).ok());
   const absl::Time t0 = absl::Now();
   auto ticket = d.Submit(req);
   ASSERT_TRUE(ticket.ok()) << ticket.status();
