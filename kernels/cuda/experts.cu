@@ -167,7 +167,7 @@ __global__ __launch_bounds__(kPermuteThreads) void FillSlotsKernel(int64_t P, co
   if (tiles)
     for (int t = tid; t < my_tiles; t += kPermuteThreads) {
       tiles[tile0 + t] = make_int2(e, start + t * my_tile_tokens);
-      tile_done[tile0 + t] = 0;
+      if (tile_done) tile_done[tile0 + t] = 0;
     }
 
   int base = start;
@@ -821,6 +821,28 @@ cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_expert
                  nullptr, nullptr, stream);
 }
 
+cudaError_t MoePermuteTiles(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts,
+                            int32_t* offsets, int32_t* slot_pair, int32_t* pair_slot, int tile_tokens, int wide_tokens,
+                            int2* tiles, int32_t* num_tiles, int32_t* experts_hit, cudaStream_t stream) {
+  if (num_pairs < 0 || num_pairs > 0x7fffffff || num_experts < 1 || num_experts > kMaxPermuteExperts ||
+      tile_tokens < 1 || wide_tokens < 0 || !tiles || !num_tiles)
+    return cudaErrorInvalidValue;
+  return Permute(num_pairs, idx, num_experts, counts, offsets, slot_pair, pair_slot, tile_tokens, wide_tokens, tiles,
+                 nullptr, num_tiles, experts_hit, stream);
+}
+
+cudaError_t MoeCombine(int64_t N, int64_t D, int64_t top_k, const int32_t* pair_slot, const float* w, const bf16* y,
+                       int64_t y_lo, bf16* out, float* out_f32, cudaStream_t stream) {
+  if (N < 0 || D < 8 || D % 8 || D / 8 > 0x7fffffff || y_lo % 8 || top_k < 1 || (y_lo ? !out_f32 : !out))
+    return cudaErrorInvalidValue;
+  if (N == 0) return cudaSuccess;
+  const int chunks = static_cast<int>(D / 8);
+  K3_CUDA_TRY(LaunchKernel(CombineKernel, CombineGrid(N, chunks), kCombineThreads, 0, stream, N, chunks,
+                           static_cast<int>(top_k), pair_slot, w, reinterpret_cast<const int4*>(y), y_lo / 8,
+                           y_lo ? static_cast<void*>(out_f32) : static_cast<void*>(out)));
+  return cudaGetLastError();
+}
+
 cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, cudaStream_t stream) {
   MoeWorkspace::Buffers& b = *ws.b_;
   const int64_t P = a.N * a.top_k, E = a.num_experts;
@@ -859,12 +881,7 @@ cudaError_t MoeExperts(const MoeExpertsArgs& a, MoeGemm gemm, MoeWorkspace& ws, 
           : mid   ? RunTiled<MidTile>(a, b, stream)
                   : RunTiled<Tile>(a, b, stream);
   if (err != cudaSuccess) return err;
-  const int chunks = static_cast<int>(a.D / 8);
-  K3_CUDA_TRY(LaunchKernel(CombineKernel, CombineGrid(a.N, chunks), kCombineThreads, 0, stream, a.N, chunks,
-                           static_cast<int>(a.top_k), b.pair_slot, a.w, reinterpret_cast<const int4*>(b.y),
-                           split ? b.max_pairs * b.D / 8 : int64_t{0},
-                           split ? static_cast<void*>(a.out_f32) : static_cast<void*>(a.out)));
-  return cudaGetLastError();
+  return MoeCombine(a.N, a.D, a.top_k, b.pair_slot, a.w, b.y, split ? b.max_pairs * b.D : 0, a.out, a.out_f32, stream);
 }
 
 }  // namespace k3::cuda

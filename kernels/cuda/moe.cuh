@@ -159,4 +159,18 @@ cudaError_t MoePackGateUp(const __nv_bfloat16* w1, const __nv_bfloat16* w3, int6
 cudaError_t MoePermute(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts, int32_t* offsets,
                        int32_t* slot_pair, int32_t* pair_slot, cudaStream_t stream);
 
+// MoePermute, and each expert's tiles of slots as (expert, first slot), experts in order: tile_tokens slots a tile,
+// or wide_tokens where the expert has more than tile_tokens pairs (wide_tokens 0: tile_tokens always). *num_tiles
+// gets their number (tiles needs room for min(P, E) + ⌈P / tile_tokens⌉), *experts_hit (optional) the experts that
+// received a pair. One kernel, launched with PDL (launch.cuh).
+cudaError_t MoePermuteTiles(int64_t num_pairs, const int32_t* idx, int64_t num_experts, int32_t* counts,
+                            int32_t* offsets, int32_t* slot_pair, int32_t* pair_slot, int tile_tokens, int wide_tokens,
+                            int2* tiles, int32_t* num_tiles, int32_t* experts_hit, cudaStream_t stream);
+
+// out[n] = Σ_j w[n, j] · y[pair_slot[n·k + j]] for j in order (a slot < 0 adds nothing), in fp32: y [slots, D] bf16
+// into bf16 out, or a split y (its lo plane y_lo elements on) into fp32 out_f32. D and y_lo multiples of 8. Launched
+// with PDL.
+cudaError_t MoeCombine(int64_t N, int64_t D, int64_t top_k, const int32_t* pair_slot, const float* w,
+                       const __nv_bfloat16* y, int64_t y_lo, __nv_bfloat16* out, float* out_f32, cudaStream_t stream);
+
 }  // namespace k3::cuda

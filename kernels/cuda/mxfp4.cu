@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/mxfp4_fragments.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -95,8 +96,9 @@ struct Mxfp4Workspace::Buffers {
   int64_t max_pairs = 0, D = 0, I = 0, E = 0;
   bool wgmma = false, dequant_copy = false;  // what Reserve was asked for, so far
   int32_t *counts = nullptr, *offsets = nullptr, *slot_pair = nullptr, *pair_slot = nullptr;
-  // The direct kernels' work: [0] the number of passes, then (expert, first token) of each (PassList).
-  int32_t* passes = nullptr;
+  // The direct kernels' work: each pass as (expert, first slot), and their number (MoePermuteTiles).
+  int2* passes = nullptr;
+  int32_t* num_passes = nullptr;
   bf16* h = nullptr;  // [2, P, I]: hi plane, then (split x) the lo plane
   bf16* y = nullptr;  // [2, P, D]
   // The dequantizing path (many pairs per expert): bf16 W1, W3, W2 of every expert, pointers into it, and the
@@ -107,9 +109,11 @@ struct Mxfp4Workspace::Buffers {
   void Free() {
     for (void* p : {static_cast<void*>(counts), static_cast<void*>(offsets), static_cast<void*>(slot_pair),
                     static_cast<void*>(pair_slot), static_cast<void*>(h), static_cast<void*>(y),
-                    static_cast<void*>(wbf), static_cast<void*>(wptr), static_cast<void*>(passes)})
+                    static_cast<void*>(wbf), static_cast<void*>(wptr), static_cast<void*>(passes),
+                    static_cast<void*>(num_passes)})
       cudaFree(p);
-    counts = offsets = slot_pair = pair_slot = passes = nullptr;
+    counts = offsets = slot_pair = pair_slot = num_passes = nullptr;
+    passes = nullptr;
     h = y = wbf = nullptr;
     wptr = nullptr;
     moe.reset();
@@ -117,9 +121,11 @@ struct Mxfp4Workspace::Buffers {
 };
 
 namespace {
-// At most this many passes over P pairs (PassList's, at least 8 tokens a pass): each expert that received a pair
-// has one pass with fewer tokens at most.
-int64_t MaxPasses(int64_t P, int64_t E) { return std::min(P, E) + (P + 7) / 8; }
+// An expert's tokens in one pass up to 16, else passes of 32, so that the experts at the head of a skewed routing
+// dequantize their weights once per 32 tokens (MoePermuteTiles' tile_tokens and wide_tokens).
+constexpr int kPassTokens = 16, kWidePassTokens = 32;
+// At most this many passes over P pairs: each expert that received a pair has one pass with fewer tokens at most.
+int64_t MaxPasses(int64_t P, int64_t E) { return std::min(P, E) + (P + kPassTokens - 1) / kPassTokens; }
 }  // namespace
 
 Mxfp4Workspace::Mxfp4Workspace() : b_(std::make_unique<Buffers>()) {}
@@ -141,7 +147,8 @@ cudaError_t Mxfp4Workspace::Reserve(int64_t max_pairs, int64_t D, int64_t I, int
   if ((e = cudaMalloc(&b.offsets, (b.E + 1) * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.slot_pair, P * 4)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.pair_slot, P * 4)) != cudaSuccess) return e;
-  if ((e = cudaMalloc(&b.passes, (1 + 2 * MaxPasses(P, b.E)) * 4)) != cudaSuccess) return e;
+  if ((e = cudaMalloc(&b.passes, MaxPasses(P, b.E) * sizeof(int2))) != cudaSuccess) return e;
+  if ((e = cudaMalloc(&b.num_passes, sizeof(int32_t))) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.h, 2 * P * b.I * 2)) != cudaSuccess) return e;
   if ((e = cudaMalloc(&b.y, 2 * P * b.D * 2)) != cudaSuccess) return e;
   b.wgmma = b.wgmma || wgmma, b.dequant_copy = b.dequant_copy || dequant_copy;
@@ -165,9 +172,9 @@ namespace {
 constexpr int kWarps = 8;     // 128 weight rows per CTA
 constexpr int kMaxTiles = 4;  // n-tiles of 8 tokens a pass at most
 
-// The n-tiles of 8 tokens a pass of an expert with m pairs covers at most: its tokens in one pass up to 16, else
-// passes of 32, so that the experts at the head of a skewed routing dequantize their weights once per 32 tokens.
-__host__ __device__ __forceinline__ int PassTiles(int m) { return m <= 8 ? 1 : m <= 16 ? 2 : kMaxTiles; }
+// The n-tiles of 8 tokens a pass of an expert with m pairs covers at most (kPassTokens, kWidePassTokens).
+__host__ __device__ __forceinline__ int PassTiles(int m) { return m <= 8 ? 1 : m <= kPassTokens ? 2 : kMaxTiles; }
+static_assert(kWidePassTokens == 8 * kMaxTiles);
 
 // A stage of the ring: kBlocks k32 blocks of every warp's 16 rows, codes (256 bytes a block) of W1 (or W2) and,
 // gate/up, W3, then their scales (16 bytes a block); then the pass's x over those 32·kBlocks inputs, 64 bytes a block
@@ -200,7 +207,11 @@ struct KernelArgs {
   const uint8_t* const* sb = nullptr;
   const int32_t* offsets = nullptr;
   const int32_t* slot_pair = nullptr;
-  const int32_t* passes = nullptr;  // PassList's
+  const int2* passes = nullptr;  // (expert, first slot) of each pass, *num_passes of them
+  const int32_t* num_passes = nullptr;
+  // The passes and offsets were written before the kernel before this one (the down kernel: by the permutation,
+  // before the gate/up kernel): its CTAs read them and start their weights before PdlEnter (launch.cuh).
+  bool early = false;
   int top_k = 1;
   const bf16* x = nullptr;  // gate/up: tokens' rows (slot_pair / top_k); down: h, one row per slot
   int64_t x_lo = 0;         // split x: the lo plane at x + x_lo (a multiple of 8); 0: plain bf16
@@ -272,36 +283,45 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
     }
   }
   const int last_blocks = KB - (NS - 1) * kBlocks;  // the blocks of the last stage inside K
-  int wr = 0;
-  auto issue = [&](int st) {  // stage st into the next slot, one cp.async group; the sources advance a stage
-    if (st < NS) {
-      const uint32_t slot = base + wr * R::kStageBytes;
-      wr = wr == kStages - 1 ? 0 : wr + 1;
-      const int blocks = st == NS - 1 ? last_blocks : kBlocks;
-      if (rows_in) {
+  // Stage st's weights, then its x, into slot `slot`; the sources advance a stage. The caller commits the group.
+  auto issue_w = [&](int st, uint32_t slot) {
+    if (st >= NS) return;
+    const int blocks = st == NS - 1 ? last_blocks : kBlocks;
+    if (rows_in) {
 #pragma unroll
-        for (int mt = 0; mt < kMats; ++mt) {
+      for (int mt = 0; mt < kMats; ++mt) {
 #pragma unroll
-          for (int j = 0; j < kBlocks / 2; ++j)
-            ptx::CpAsync16At(slot + cdst + mt * R::kCodeBytes + j * 512, qsrc[mt] + j * 512,
-                             (lane + 32 * j) / 16 < blocks ? 16 : 0);
-          qsrc[mt] += R::kCodeBytes;
-        }
-      }
-      if (copies_scales) ptx::CpAsync16At(slot + sdst, ssrc, s_block < blocks ? 16 : 0);
-      ssrc += R::kScaleBytes;
-#pragma unroll
-      for (int i = 0; i < kMine; ++i) {
-        if (!xmine[i]) continue;
-        const bool in = xreal[i] && xblock[i] < blocks;
-        ptx::CpAsync16At(slot + xdst[i], in ? xsrc[i] : a.x, in ? 16 : 0);
-        xsrc[i] += 32 * kBlocks;
+        for (int j = 0; j < kBlocks / 2; ++j)
+          ptx::CpAsync16At(slot + cdst + mt * R::kCodeBytes + j * 512, qsrc[mt] + j * 512,
+                           (lane + 32 * j) / 16 < blocks ? 16 : 0);
+        qsrc[mt] += R::kCodeBytes;
       }
     }
-    ptx::CpAsyncCommit();
+    if (copies_scales) ptx::CpAsync16At(slot + sdst, ssrc, s_block < blocks ? 16 : 0);
+    ssrc += R::kScaleBytes;
   };
+  auto issue_x = [&](int st, uint32_t slot) {
+    if (st >= NS) return;
+    const int blocks = st == NS - 1 ? last_blocks : kBlocks;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
+    for (int i = 0; i < kMine; ++i) {
+      if (!xmine[i]) continue;
+      const bool in = xreal[i] && xblock[i] < blocks;
+      ptx::CpAsync16At(slot + xdst[i], in ? xsrc[i] : a.x, in ? 16 : 0);
+      xsrc[i] += 32 * kBlocks;
+    }
+  };
+  // The first stages' weights may come before the kernel before this one has finished (a.early); their x after it.
+  // Stage 0's group then holds the weights of every first stage, which only makes the first wait a little longer.
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_w(i, base + i * R::kStageBytes);
+  if (a.early) PdlEnter();
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    issue_x(i, base + i * R::kStageBytes);
+    ptx::CpAsyncCommit();
+  }
+  int wr = kStages - 1;  // the slot of the next stage issued
   // This lane's reads in a slot: codes and scales of its warp, x of token g (its two k32 halves swapped on odd g).
   const uint32_t crd = warp * R::kWarpBytes + lane * 8, srd = warp * R::kWarpBytes + kMats * R::kCodeBytes + g * 2;
   // Block h of token g's inputs 8t .. 8t + 7 at xrow + (h·64 ^ xflip): R::XOffset(0, g, 4·h + t).
@@ -311,7 +331,11 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
   for (int it = 0; it < NS; ++it) {
     ptx::CpAsyncWaitGroup<kStages - 2>();
     __syncthreads();  // stage it landed for every thread, and every thread is done with stage it − 1's slot
-    issue(it + kStages - 1);
+    const uint32_t slot_w = base + wr * R::kStageBytes;
+    wr = wr == kStages - 1 ? 0 : wr + 1;
+    issue_w(it + kStages - 1, slot_w);
+    issue_x(it + kStages - 1, slot_w);
+    ptx::CpAsyncCommit();
     const uint8_t* slot = smem + rd * R::kStageBytes;
     rd = rd == kStages - 1 ? 0 : rd + 1;
     if (!rows_in) continue;
@@ -365,9 +389,10 @@ __device__ __forceinline__ void Pass(const KernelArgs& a, uint8_t* smem, int e, 
 template <bool kGlu, bool kSplit>
 __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
-  if (static_cast<int>(blockIdx.x) >= a.passes[0]) return;
-  const int e = a.passes[1 + 2 * blockIdx.x], tok0 = a.passes[2 + 2 * blockIdx.x];
-  const int begin = a.offsets[e], m = a.offsets[e + 1] - begin;
+  if (!a.early) PdlEnter();
+  if (static_cast<int>(blockIdx.x) >= *a.num_passes) return;
+  const int2 pass = a.passes[blockIdx.x];
+  const int e = pass.x, begin = a.offsets[e], m = a.offsets[e + 1] - begin, tok0 = pass.y - begin;
   const int tiles = min(PassTiles(m), (m - tok0 + 7) / 8);
   if (tiles == 1) {
     Pass<1, kGlu, kSplit>(a, smem, e, begin, m, tok0);
@@ -378,56 +403,6 @@ __global__ __launch_bounds__(kWarps * 32) void Mxfp4Kernel(KernelArgs a) {
   }
 }
 
-// out[n] = Σ_j w[n, j] · y[slot of pair (n, j)], in pair order: bf16 out, or fp32 out_f32 from a split y (the lo
-// plane at y + y_lo). Block 0 also counts the experts hit (counts > 0).
-__global__ void CombineKernel(int64_t D, int top_k, const int32_t* pair_slot, const float* w, const bf16* y,
-                              int64_t y_lo, bf16* out, float* out_f32, int E, const int32_t* counts,
-                              int32_t* experts_hit) {
-  const int64_t n = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t s = pair_slot[n * top_k + j];
-      if (s >= 0) acc += w[n * top_k + j] * LoadSplit(y + s * D + c, y_lo);
-    }
-    if (out_f32 != nullptr) {
-      out_f32[n * D + c] = acc;
-    } else {
-      out[n * D + c] = __float2bfloat16(acc);
-    }
-  }
-  if (experts_hit != nullptr && n == 0) {
-    int hit = 0;
-    for (int e0 = 0; e0 < E; e0 += blockDim.x)
-      hit += __syncthreads_count(e0 + static_cast<int>(threadIdx.x) < E && counts[e0 + threadIdx.x] > 0);
-    if (threadIdx.x == 0) *experts_hit = hit;
-  }
-}
-
-// The passes of every expert as (expert, first token), their number first (8·PassTiles(count) tokens a pass):
-// one block, a thread per expert chunk, an exclusive scan of the chunks' pass counts.
-__global__ void PassListKernel(int E, const int32_t* counts, int32_t* passes) {
-  constexpr int kThreads = 1024;
-  __shared__ int sums[kThreads];
-  const int chunk = (E + kThreads - 1) / kThreads, e0 = min(E, static_cast<int>(threadIdx.x) * chunk),
-            e1 = min(E, e0 + chunk);
-  int mine = 0;
-  for (int e = e0; e < e1; ++e) mine += (counts[e] + 8 * PassTiles(counts[e]) - 1) / (8 * PassTiles(counts[e]));
-  sums[threadIdx.x] = mine;
-  __syncthreads();
-  for (int d = 1; d < kThreads; d *= 2) {  // inclusive scan
-    const int v = threadIdx.x >= d ? sums[threadIdx.x - d] : 0;
-    __syncthreads();
-    sums[threadIdx.x] += v;
-    __syncthreads();
-  }
-  int at = sums[threadIdx.x] - mine;
-  for (int e = e0; e < e1; ++e)
-    for (int tok = 0; tok < counts[e]; tok += 8 * PassTiles(counts[e]), ++at)
-      passes[1 + 2 * at] = e, passes[2 + 2 * at] = tok;
-  if (threadIdx.x == kThreads - 1) passes[0] = sums[kThreads - 1];
-}
-
 template <bool kGlu, bool kSplit>
 cudaError_t Launch(const KernelArgs& k, int64_t num_pairs, int64_t num_experts, cudaStream_t stream) {
   // The ring is beyond the default 48 KB of shared memory (set once, as experts.cu does for its kernels).
@@ -436,8 +411,7 @@ cudaError_t Launch(const KernelArgs& k, int64_t num_pairs, int64_t num_experts, 
   if (attr != cudaSuccess) return attr;
   const dim3 grid(static_cast<unsigned>(MaxPasses(num_pairs, num_experts)),
                   static_cast<unsigned>((k.rows / 16 + kWarps - 1) / kWarps));
-  Mxfp4Kernel<kGlu, kSplit><<<grid, kWarps * 32, Ring<kGlu, kSplit>::kBytes, stream>>>(k);
-  return cudaGetLastError();
+  return LaunchKernel(Mxfp4Kernel<kGlu, kSplit>, grid, kWarps * 32, Ring<kGlu, kSplit>::kBytes, stream, k);
 }
 
 
@@ -526,9 +500,9 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
     m.q1 = a.w1, m.s1 = a.s1, m.q3 = a.w3, m.s3 = a.s3, m.q2 = a.w2, m.s2 = a.s2;
     return MoeExperts(m, MoeGemm::kWgmma, *b.moe, stream);
   }
-  cudaError_t e = MoePermute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream);
-  if (e != cudaSuccess) return e;
-  if (dequant) {
+  cudaError_t e;
+  if (dequant) {  // the counts say which experts to dequantize; MoeExperts permutes again for its tiles
+    if ((e = MoePermute(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, stream)) != cudaSuccess) return e;
     const bf16* const* w1 = b.wptr;
     const bf16* const* w3 = b.wptr + b.E;
     const bf16* const* w2 = b.wptr + 2 * b.E;
@@ -538,10 +512,12 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
     m.w1 = w1, m.w3 = w3, m.w2 = w2;
     return MoeExperts(m, split ? MoeGemm::kTiled : MoeGemm::kAuto, *b.moe, stream);
   }
-  PassListKernel<<<1, 1024, 0, stream>>>(static_cast<int>(E), b.counts, b.passes);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  e = MoePermuteTiles(P, a.idx, E, b.counts, b.offsets, b.slot_pair, b.pair_slot, kPassTokens, kWidePassTokens,
+                      b.passes, b.num_passes, a.experts_hit, stream);
+  if (e != cudaSuccess) return e;
   KernelArgs k;
-  k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.passes = b.passes, k.top_k = static_cast<int>(a.top_k);
+  k.offsets = b.offsets, k.slot_pair = b.slot_pair, k.passes = b.passes, k.num_passes = b.num_passes;
+  k.top_k = static_cast<int>(a.top_k);
   k.act = a.act, k.b1 = a.situ_beta, k.b2 = a.situ_linear_beta;
   const int64_t h_lo = split ? b.max_pairs * b.I : 0, y_lo = split ? b.max_pairs * b.D : 0;
   k.rows = a.I, k.K = a.D, k.wa = a.w1, k.sa = a.s1, k.wb = a.w3, k.sb = a.s3;
@@ -549,13 +525,11 @@ cudaError_t Mxfp4Experts(const Mxfp4ExpertsArgs& a, Mxfp4Workspace& ws, cudaStre
   e = split ? Launch<true, true>(k, P, E, stream) : Launch<true, false>(k, P, E, stream);
   if (e != cudaSuccess) return e;
   k.rows = a.D, k.K = a.I, k.wa = a.w2, k.sa = a.s2, k.wb = k.sb = nullptr;
-  k.x = b.h, k.x_lo = h_lo, k.out = b.y, k.out_lo = y_lo;
+  k.x = b.h, k.x_lo = h_lo, k.out = b.y, k.out_lo = y_lo, k.early = true;
   e = split ? Launch<false, true>(k, P, E, stream) : Launch<false, false>(k, P, E, stream);
   if (e != cudaSuccess) return e;
-  CombineKernel<<<static_cast<unsigned>(a.N), 256, 0, stream>>>(
-      a.D, static_cast<int>(a.top_k), b.pair_slot, a.w, b.y, y_lo, split ? nullptr : a.out, split ? a.out_f32 : nullptr,
-      static_cast<int>(E), b.counts, a.experts_hit);
-  return cudaGetLastError();
+  return MoeCombine(a.N, a.D, a.top_k, b.pair_slot, a.w, b.y, y_lo, split ? nullptr : a.out,
+                    split ? a.out_f32 : nullptr, stream);
 }
 
 }  // namespace k3::cuda

@@ -10,9 +10,10 @@
 //             bf16 pair takes one funnel shift and one LOP3 (a few: two shifts) plus one HMUL2 by the block's scale
 //             (kernels/cuda/mxfp4_fragments.cuh says how), and 2 bytes of scales. A CTA of 8 warps owns 128 weight
 //             rows of one pass of an expert (its tokens up to 16 in one pass, else passes of 32); weights and the
-//             pass's x stream through the CTA's shared-memory ring (cp.async, 6 stages of two k32 blocks), and each
-//             warp dequantizes its 16 rows once for all the pass's n-tiles of 8 tokens; the gate/up kernel fuses
-//             the activation.
+//             pass's x stream through the CTA's shared-memory ring (cp.async; stages of four k32 blocks for gate/up,
+//             eight for down), and each warp dequantizes its 16 rows once for all the pass's n-tiles of 8 tokens;
+//             the gate/up kernel fuses the activation. The four kernels (permutation with the pass list, gate/up,
+//             down, combine) launch with PDL: the down kernel's CTAs start their weights while gate/up ends.
 //   kWgmma    (prefill, plain x, from kMxfp4WgmmaMinPairsPerExpert pairs per expert on average: compute-bound) our
 //             grouped wgmma experts (MoeExperts kWgmma, experts_wgmma.cuh) with MXFP4 weights: the copier
 //             warpgroup stages each k step's codes and scales by cp.async with the step's tokens, and the MMA

@@ -88,8 +88,6 @@ TEST_P(Mxfp4ExpertsTest, MatchesCpuReferenceOnDequantizedWeights) {
   std::vector<bool> used(E, false);
   for (int32_t e : idx)
     if (e >= 0) used[e] = true;
-  // Both paths: the direct kernels, and the bf16 copy (its workspace reserved for enough pairs per expert) under
-  // our bf16 grouped experts.
   // Every path: the direct kernels, the grouped wgmma experts dequantizing on chip (plain x), and the bf16 copy
   // (its workspace reserved for enough pairs per expert) under our bf16 grouped experts.
   for (Mxfp4Gemm gemm : {Mxfp4Gemm::kDirect, Mxfp4Gemm::kWgmma, Mxfp4Gemm::kDequant}) {
