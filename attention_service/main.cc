@@ -58,6 +58,9 @@ ABSL_FLAG(int, dispatch_timeout_ms, 0,
 ABSL_FLAG(int, dispatch_poll_us, 300,
           "an MoE dispatch's wait polls the shared-memory rings this long for the reply before it sleeps, so that a "
           "reply is taken the moment it lands (0: sleep at once; the poll yields the CPU to any thread waiting for it)");
+ABSL_FLAG(int64_t, dispatch_one_node_rows, 64,
+          "an MoE dispatch of at most this many rows goes whole to one expert node where one hosts all its experts "
+          "(replicas, e.g. the router's --redundancy): one message instead of one per node (0: always spread by load)");
 ABSL_FLAG(int64_t, max_prompt_tokens, 32768, "longest prompt accepted (INVALID_ARGUMENT beyond; 0: only --max-context bounds it)");
 ABSL_FLAG(std::string, device, "cpu", "compute device: cpu, or cuda (builds with K3SERVE_CUDA)");
 ABSL_FLAG(std::string, wire_dtype, "auto",
@@ -368,6 +371,7 @@ int main(int argc, char** argv) {
   };
   dopt.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_dispatch_timeout_ms));
   dopt.poll = absl::Microseconds(absl::GetFlag(FLAGS_dispatch_poll_us));
+  dopt.one_node_max_rows = absl::GetFlag(FLAGS_dispatch_one_node_rows);
   dopt.node_token = k3::auth::NodeToken();
   dopt.on_part = [&](const std::string& node, size_t out, size_t in, absl::Duration took) {
     dispatch_seconds->WithLabels({node}).Observe(absl::ToDoubleSeconds(took));
@@ -384,6 +388,10 @@ int main(int argc, char** argv) {
   if (const int w = absl::GetFlag(FLAGS_dispatch_poll_us); w < 0 || w > 1000000)
     return Fail("--dispatch-poll-us",
                 absl::InvalidArgumentError(absl::StrCat("--dispatch-poll-us must be in [0, 1000000], got ", w)));
+  if (absl::GetFlag(FLAGS_dispatch_one_node_rows) < 0)
+    return Fail("--dispatch-one-node-rows", absl::InvalidArgumentError(absl::StrCat(
+                                                "--dispatch-one-node-rows must be >= 0, got ",
+                                                absl::GetFlag(FLAGS_dispatch_one_node_rows))));
   if (const int64_t w = absl::GetFlag(FLAGS_admission_window_us); w < 0 || w > 1000000)
     return Fail("--admission-window-us",
                 absl::InvalidArgumentError(absl::StrCat("--admission-window-us must be in [0, 1000000], got ", w)));

@@ -167,10 +167,27 @@ absl::StatusOr<uint64_t> Dispatcher::SubmitAttempt(const ExpertRequest& r, int a
   std::vector<int64_t> load(pt.nodes.size(), 0);
   for (size_t i = 0; i < pt.nodes.size(); ++i)
     if (node_peer[i]) load[i] = node_peer[i]->outstanding_rows;
+  for (int64_t i = 0; i < r.rows * r.top_k; ++i)
+    if (r.idx[i] >= static_cast<int32_t>(layer.size()))
+      return absl::InvalidArgumentError(absl::StrCat("expert id ", r.idx[i], " out of range"));
+  // One node for the whole dispatch, if a live, unsuspected one hosts all its experts.
+  int32_t whole = -1;
+  if (r.rows <= options_.one_node_max_rows) {
+    for (int32_t n = 0; n < static_cast<int32_t>(pt.nodes.size()); ++n) {
+      if (!node_peer[n] || suspect[n] || (whole >= 0 && load[n] >= load[whole])) continue;
+      bool all = true;
+      for (int64_t i = 0; i < r.rows * r.top_k && all; ++i)
+        all = r.idx[i] < 0 || absl::c_linear_search(layer[r.idx[i]], n);
+      if (all) whole = n;
+    }
+  }
   for (int64_t i = 0; i < r.rows * r.top_k; ++i) {
     const int32_t e = r.idx[i];
     if (e < 0) continue;
-    if (e >= static_cast<int32_t>(layer.size())) return absl::InvalidArgumentError(absl::StrCat("expert id ", e, " out of range"));
+    if (whole >= 0) {
+      chosen[i] = whole;
+      continue;
+    }
     int32_t best = -1;
     for (int32_t node : layer[e]) {
       if (!node_peer[node]) continue;

@@ -42,6 +42,11 @@ struct DispatcherOptions {
   // Wait polls the connections (Connection::Poll) this long before it sleeps: the reply is taken the
   // moment it lands, without waking the transport's thread and then this one. Zero: sleep at once.
   absl::Duration poll = absl::ZeroDuration();
+  // A dispatch of at most this many rows goes whole to one node where one hosts every expert it
+  // needs (replicas allow it): one message and one wake-up instead of one per node, which is most
+  // of a small dispatch's round trip. The least-loaded such node takes it. Larger dispatches, and
+  // those no one node can serve, spread their pairs over the replicas by load. Zero: never.
+  int64_t one_node_max_rows = 64;
   std::string node_token;  // sent as each connection's first message (wire::Hello)
   // Called where a part's reply is taken (the transport's thread, or Wait's while it polls) after every dispatch
   // part completes (metrics); must not block.

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <thread>
@@ -43,20 +44,9 @@ struct Fixture {
     eopt.node_id = "good";
     good = std::make_unique<ExpertNode>(config, ckpt, eopt, registry);
     EXPECT_TRUE(good->Listen(*node_transport, "127.0.0.1:0").ok());
-    grpc::ServerContext ctx;  // no credentials configured: the admin check is open
-    v1::LoadSlotsRequest req;
-    req.set_version(1);
-    for (int32_t l = 0; l < config.num_layers; ++l) {
-      if (config.mlp[l] != Mlp::kMoe) continue;
-      if (moe_layer < 0) moe_layer = l;
-      for (int32_t e = 0; e < config.num_experts; ++e) {
-        auto* s = req.add_slots();
-        s->set_layer(l);
-        s->set_expert(e);
-      }
-    }
-    v1::LoadSlotsResponse resp;
-    EXPECT_TRUE(good->LoadSlots(&ctx, &req, &resp).ok());
+    for (int32_t l = 0; l < config.num_layers && moe_layer < 0; ++l)
+      if (config.mlp[l] == Mlp::kMoe) moe_layer = l;
+    LoadEveryExpert(*good);
     dataplane::ServerCallbacks cb;
     cb.on_message = [this](dataplane::ConnectionId, dataplane::Buffer) { hung_messages++; };
     hung = *node_transport->Listen("127.0.0.1:0", cb);
@@ -64,6 +54,22 @@ struct Fixture {
   ~Fixture() {
     hung.reset();
     good.reset();
+  }
+
+  void LoadEveryExpert(ExpertNode& node) const {
+    grpc::ServerContext ctx;  // no credentials configured: the admin check is open
+    v1::LoadSlotsRequest req;
+    req.set_version(1);
+    for (int32_t l = 0; l < config.num_layers; ++l) {
+      if (config.mlp[l] != Mlp::kMoe) continue;
+      for (int32_t e = 0; e < config.num_experts; ++e) {
+        auto* s = req.add_slots();
+        s->set_layer(l);
+        s->set_expert(e);
+      }
+    }
+    v1::LoadSlotsResponse resp;
+    EXPECT_TRUE(node.LoadSlots(&ctx, &req, &resp).ok());
   }
 
   // nodes: "hung" and/or "good"; every expert on each of them.
@@ -257,6 +263,65 @@ TEST(Dispatcher, ALateReplyRaisesTheAdaptiveTimeout) {
     std::printf("late reply after %s: the next part waited %s and succeeded\n", absl::FormatDuration(delay).c_str(),
                 absl::FormatDuration(absl::Now() - t1).c_str());
   }
+}
+
+// Where one node hosts every expert a dispatch needs, a dispatch of at most one_node_max_rows rows goes whole
+// to one node (one part), the least loaded: two in flight go one to each. A larger one, or any with the option
+// off, spreads its pairs over both. The sums are the same every way.
+TEST(Dispatcher, SmallDispatchGoesWholeToOneNode) {
+  Fixture f;
+  metrics::Registry other_registry;
+  ExpertNodeOptions eopt;
+  eopt.node_id = "other";
+  ExpertNode other(f.config, f.ckpt, eopt, other_registry);
+  ASSERT_TRUE(other.Listen(*f.node_transport, "127.0.0.1:0").ok());
+  f.LoadEveryExpert(other);
+  auto both = std::make_shared<PlacementTable>(*f.Placement(1, {"good", "good"}));
+  both->nodes[1] = {"other", other.data_address(), ""};
+
+  std::mutex mu;
+  std::vector<std::string> parts;
+  auto take = [&](size_t n) {  // on_part may run just after Wait returns
+    for (const absl::Time until = absl::Now() + absl::Seconds(2); absl::Now() < until;) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (parts.size() >= n) break;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<std::string> p = std::move(parts);
+    parts.clear();
+    std::sort(p.begin(), p.end());
+    return p;
+  };
+  auto run = [&](int64_t one_node_max_rows, const std::vector<const Rows*>& rows) {
+    DispatcherOptions opt;
+    opt.one_node_max_rows = one_node_max_rows;
+    opt.on_part = [&](const std::string& node, size_t, size_t, absl::Duration) {
+      std::lock_guard<std::mutex> lock(mu);
+      parts.push_back(node);
+    };
+    Dispatcher d(f.config, *f.transport, opt);
+    ASSERT_TRUE(d.SetPlacement(both).ok());
+    std::vector<uint64_t> tickets;
+    for (const Rows* r : rows) {
+      auto t = d.Submit(r->request);
+      ASSERT_TRUE(t.ok()) << t.status();
+      tickets.push_back(*t);
+    }
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::vector<float> got(rows[i]->want.size());
+      ASSERT_TRUE(d.Wait(tickets[i], got.data()).ok());
+      EXPECT_LT(testing::MaxAbsDiff(got, rows[i]->want), 1e-5) << "dispatch " << i;
+    }
+  };
+  const Rows small_a(f, 5, 21), small_b(f, 6, 22), large(f, 9, 23);
+  run(8, {&small_a});
+  EXPECT_EQ(take(1), std::vector<std::string>{"good"});
+  run(8, {&small_a, &small_b});  // the first one's rows are outstanding on good when the second comes
+  EXPECT_EQ(take(2), (std::vector<std::string>{"good", "other"}));
+  run(8, {&large});
+  EXPECT_EQ(take(2), (std::vector<std::string>{"good", "other"}));
+  run(0, {&small_a});
+  EXPECT_EQ(take(2), (std::vector<std::string>{"good", "other"}));
 }
 
 // Wait polls the shared-memory rings (DispatcherOptions::poll): the sums are the node's, replies are

@@ -264,6 +264,10 @@ absl::Status RunClusterBench(const BenchOptions& o) {
               o.prompt_len, o.max_tokens, o.data_plane.c_str(), o.repeats);
   std::printf("each repeat: %d in-process, %d direct and %d gateway runs, interleaved (their rows: medians)\n", kPairs,
               kPairs, kPairs);
+  if (!o.skew)
+    std::printf("experts: %s\n", o.replicate_experts && o.experts > 1
+                                     ? "every expert on every expert node (a decode dispatch goes whole to one node)"
+                                     : "each expert on one expert node");
   ClusterOptions co;
   co.bin_dir = o.bin_dir;
   co.model = o.model;
@@ -276,6 +280,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
                        absl::StrCat("--ping-pong-adaptive=", o.ping_pong_adaptive ? "true" : "false")};
   co.expert_args = {"--data-plane=" + o.data_plane};
   co.gateway = true;
+  if (!o.skew && o.replicate_experts) co.router_args = {absl::StrCat("--redundancy=", o.experts - 1)};
   if (o.skew) {
     co.router_args = {"--load-interval=0.5", "--rebalance-after=2", "--rebalance-threshold=1.05", "--redundancy=0.25"};
     co.attention_args.push_back("--load-interval=0.25");

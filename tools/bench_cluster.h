@@ -21,6 +21,9 @@ struct BenchOptions {
   // Let the router rebalance (EPLB, redundant slots) on measured imbalance: after the first pass it
   // waits for the rebalance, runs a second pass, and prints per-layer and per-node load of both.
   bool skew = false;
+  // Every expert node holds every expert (the router's --redundancy = experts - 1), so that a decode
+  // dispatch goes whole to one node (the attention nodes' --dispatch-one-node-rows). Not with skew.
+  bool replicate_experts = true;
   bool ping_pong_adaptive = false;  // the attention nodes' --ping-pong-adaptive
 };
 

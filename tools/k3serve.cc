@@ -48,6 +48,9 @@ ABSL_FLAG(std::string, data_plane, "shm", "expert nodes' data plane: shm or ucx 
 ABSL_FLAG(int, repeats, 1, "in-process and disaggregated runs, alternating (bench)");
 ABSL_FLAG(int, prompt_len, 64, "prompt tokens per stream (bench)");
 ABSL_FLAG(bool, skew, false, "bench: let the router rebalance on measured load; per-layer and per-node load before and after");
+ABSL_FLAG(bool, replicate_experts, true,
+          "bench: every expert node holds every expert (router --redundancy = experts - 1; one node per decode "
+          "dispatch); false: each expert on one node");
 ABSL_FLAG(bool, ping_pong_adaptive, false, "bench: the attention nodes split steps only while that measures faster");
 
 namespace k3 {
@@ -220,6 +223,7 @@ int Bench() {
   o.data_plane = absl::GetFlag(FLAGS_data_plane);
   o.repeats = absl::GetFlag(FLAGS_repeats);
   o.skew = absl::GetFlag(FLAGS_skew);
+  o.replicate_experts = absl::GetFlag(FLAGS_replicate_experts);
   o.ping_pong_adaptive = absl::GetFlag(FLAGS_ping_pong_adaptive);
   if (o.model.empty()) return Error(absl::InvalidArgumentError("--model is required"));
   const absl::Status s = RunClusterBench(o);
@@ -235,7 +239,7 @@ int main(int argc, char** argv) {
       "  up --model DIR [--attention M --experts N --port 50051 --tls] start a local cluster; Ctrl-C stops it\n"
       "  scale --orchestrator HOST:PORT [--attention M] [--experts N] [--timeout S]   returns once reached\n"
       "  generate --addr HOST:PORT --prompt-ids 1,2,3 --max-tokens N  stream tokens from a server\n"
-      "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2 --data-plane shm --repeats 1 --skew --ping-pong-adaptive]\n"
+      "  bench --model DIR [--streams 16 --prompt-len 64 --max-tokens 64 --attention 1 --experts 2 --data-plane shm --repeats 1 --skew --replicate-experts=false --ping-pong-adaptive]\n"
       "  local-generate --model DIR --prompt-ids 1,2,3 --max-tokens N  the in-process engine, no services\n"
       "sampling flags: --temperature T --top-k K --top-p P --seed S --ignore-eos");
   k3::NormalizeFlagNames(argc, argv);
