@@ -265,9 +265,9 @@ absl::Status RunClusterBench(const BenchOptions& o) {
   std::printf("each repeat: %d in-process, %d direct and %d gateway runs, interleaved (their rows: medians)\n", kPairs,
               kPairs, kPairs);
   if (!o.skew)
-    std::printf("experts: %s\n", o.replicate_experts && o.experts > 1
-                                     ? "every expert on every expert node (a decode dispatch goes whole to one node)"
-                                     : "each expert on one expert node");
+    std::printf("experts: %s\n", !o.replicate_experts || o.experts == 1 ? "each expert on one expert node"
+                                   : o.experts <= 5 ? "every expert on every expert node (a decode dispatch goes whole to one node)"
+                                                    : "five copies of each expert over the expert nodes");
   ClusterOptions co;
   co.bin_dir = o.bin_dir;
   co.model = o.model;
@@ -280,7 +280,8 @@ absl::Status RunClusterBench(const BenchOptions& o) {
                        absl::StrCat("--ping-pong-adaptive=", o.ping_pong_adaptive ? "true" : "false")};
   co.expert_args = {"--data-plane=" + o.data_plane};
   co.gateway = true;
-  if (!o.skew && o.replicate_experts) co.router_args = {absl::StrCat("--redundancy=", o.experts - 1)};
+  // The router takes a redundancy of at most 4: past 5 expert nodes each holds 5 copies' worth of experts, not all.
+  if (!o.skew && o.replicate_experts) co.router_args = {absl::StrCat("--redundancy=", std::min(o.experts - 1, 4))};
   if (o.skew) {
     co.router_args = {"--load-interval=0.5", "--rebalance-after=2", "--rebalance-threshold=1.05", "--redundancy=0.25"};
     co.attention_args.push_back("--load-interval=0.25");
