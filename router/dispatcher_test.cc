@@ -282,7 +282,8 @@ TEST(Dispatcher, SmallDispatchGoesWholeToOneNode) {
   std::mutex mu;
   std::vector<std::string> parts;
   auto take = [&](size_t n) {  // on_part may run just after Wait returns
-    for (const absl::Time until = absl::Now() + absl::Seconds(2); absl::Now() < until;) {
+    for (const absl::Time until = absl::Now() + absl::Seconds(2); absl::Now() < until;
+         absl::SleepFor(absl::Milliseconds(1))) {
       std::lock_guard<std::mutex> lock(mu);
       if (parts.size() >= n) break;
     }
