@@ -13,6 +13,9 @@
 
 namespace k3::router {
 
+// The most redundant slots a layer may have, as a fraction of the experts (each expert 5 copies on average).
+constexpr double kMaxRedundancy = 4.0;
+
 struct EplbOptions {
   double redundancy = 0.0;  // redundant slots per layer, as a fraction of the experts (rounded up to fill every node)
   double tolerance = 0.01;  // stop evening out at max/mean node load <= 1 + tolerance (per layer)

@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
   };
   if (!(ropt.placement_timeout > absl::ZeroDuration())) return bad("placement-timeout-s", "must be > 0");
   if (ropt.settle < absl::ZeroDuration()) return bad("placement-settle-ms", "must be >= 0");
-  if (!(ropt.eplb.redundancy >= 0 && ropt.eplb.redundancy <= 4)) return bad("redundancy", "must be in [0, 4]");
+  if (!(ropt.eplb.redundancy >= 0 && ropt.eplb.redundancy <= k3::router::kMaxRedundancy))
+    return bad("redundancy", "must be in [0, 4]");
   if (!(ropt.load_interval > absl::ZeroDuration())) return bad("load-interval", "must be > 0");
   if (!(ropt.rebalance_threshold >= 1)) return bad("rebalance-threshold", "must be >= 1");
   if (ropt.rebalance_after < 0) return bad("rebalance-after", "must be >= 0");

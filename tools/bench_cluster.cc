@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
+#include "router/eplb.h"
 #include "tools/client.h"
 #include "tools/http_get.h"
 #include "tools/local_cluster.h"
@@ -264,10 +265,12 @@ absl::Status RunClusterBench(const BenchOptions& o) {
               o.prompt_len, o.max_tokens, o.data_plane.c_str(), o.repeats);
   std::printf("each repeat: %d in-process, %d direct and %d gateway runs, interleaved (their rows: medians)\n", kPairs,
               kPairs, kPairs);
+  // Replicated: every expert on every expert node, within the router's bound on redundancy.
+  const int redundancy =
+      o.replicate_experts ? std::min(o.experts - 1, static_cast<int>(router::kMaxRedundancy)) : 0;
   if (!o.skew)
-    std::printf("experts: %s\n", !o.replicate_experts || o.experts == 1 ? "each expert on one expert node"
-                                   : o.experts <= 5 ? "every expert on every expert node (a decode dispatch goes whole to one node)"
-                                                    : "five copies of each expert over the expert nodes");
+    std::printf("experts: %d cop%s of each over %d expert node(s)%s\n", redundancy + 1, redundancy ? "ies" : "y",
+                o.experts, redundancy > 0 && redundancy + 1 == o.experts ? " (a decode dispatch goes whole to one node)" : "");
   ClusterOptions co;
   co.bin_dir = o.bin_dir;
   co.model = o.model;
@@ -280,8 +283,7 @@ absl::Status RunClusterBench(const BenchOptions& o) {
                        absl::StrCat("--ping-pong-adaptive=", o.ping_pong_adaptive ? "true" : "false")};
   co.expert_args = {"--data-plane=" + o.data_plane};
   co.gateway = true;
-  // The router takes a redundancy of at most 4: past 5 expert nodes each holds 5 copies' worth of experts, not all.
-  if (!o.skew && o.replicate_experts) co.router_args = {absl::StrCat("--redundancy=", std::min(o.experts - 1, 4))};
+  if (!o.skew && redundancy > 0) co.router_args = {absl::StrCat("--redundancy=", redundancy)};
   if (o.skew) {
     co.router_args = {"--load-interval=0.5", "--rebalance-after=2", "--rebalance-threshold=1.05", "--redundancy=0.25"};
     co.attention_args.push_back("--load-interval=0.25");

@@ -224,8 +224,8 @@ struct KernelArgs {
 __device__ __forceinline__ float Pow2(uint32_t r) { return __uint_as_float((r + 127) << 23); }
 
 // A CTA: kWarps warps of 16 weight rows each (blockIdx.y) against one pass of up to 8·kTiles tokens of one expert
-// (blockIdx.x, the pass list that MoePermuteTiles made: every pass its own CTA, so a busy expert's passes run side by side
-// and read its weights from L2 once, and no CTA exists for an expert without tokens). Weights and x stream through
+// (blockIdx.x, the pass list that MoePermuteTiles made: every pass its own CTA, so a busy expert's passes run side
+// by side and read its weights from L2 once, and no CTA exists for an expert without tokens). Weights and x stream through
 // the CTA's ring of kStages stages (cp.async: the loads in flight cost no registers, and x, which every warp of
 // the CTA reads, lands once); each lane dequantizes its fragments once for all the pass's n-tiles. A split x runs
 // its hi and lo planes through the same weight fragments into the same fp32 accumulators (x·W = hi·W + lo·W).
